@@ -1,0 +1,30 @@
+"""aioloader: an asyncio data loader for training on slow storage.
+
+Many reads in flight from one event loop, decoding in a process pool, collated numpy batches
+for `async for`, plain `for` and PyTorch.
+"""
+
+from . import storage
+from .collate import default_collate
+from .datasets import Dataset, Files
+from .errors import FetchError, LoaderError, SampleError, WorkerDiedError
+from .loader import Loader
+from .stats import LoaderStats
+from .workers import WorkerInfo, get_worker_info
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Dataset",
+    "FetchError",
+    "Files",
+    "Loader",
+    "LoaderError",
+    "LoaderStats",
+    "SampleError",
+    "WorkerDiedError",
+    "WorkerInfo",
+    "default_collate",
+    "get_worker_info",
+    "storage",
+]

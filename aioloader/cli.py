@@ -1,0 +1,55 @@
+"""The `aioloader` command: demo and serve (each a thin layer over the library)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+from pathlib import Path
+
+from ._loopthread import new_event_loop
+from .testing import Faults, serve
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="aioloader", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="make a small image set, serve it slowly, load it")
+    demo.add_argument("--images", type=int, default=1024, help="images to generate")
+    demo.add_argument("--latency-ms", type=float, default=20.0, help="server latency per request")
+    demo.add_argument("--num-workers", type=int, default=2, help="decode processes")
+    demo.add_argument("--concurrency", type=int, default=64, help="reads in flight")
+    demo.add_argument("--baseline-images", type=int, default=256,
+                      help="images the one-read-per-worker baseline reads")
+    demo.add_argument("--cache-dir", type=Path, default=None, help="where the images are kept")
+
+    serve_cmd = commands.add_parser("serve", help="serve a directory over HTTP with faults")
+    serve_cmd.add_argument("root", type=Path)
+    serve_cmd.add_argument("--host", default="127.0.0.1")
+    serve_cmd.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    for field in dataclasses.fields(Faults):
+        serve_cmd.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            type=int if field.name == "seed" else float,
+            default=field.default,
+        )
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        faults = Faults(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Faults)})
+        loop = new_event_loop()
+        with contextlib.suppress(KeyboardInterrupt):
+            loop.run_until_complete(serve(args.root, args.host, args.port, faults))
+        loop.close()
+    elif args.command == "demo":
+        from .demo import run_demo
+
+        run_demo(
+            images=args.images,
+            latency_ms=args.latency_ms,
+            num_workers=args.num_workers,
+            concurrency=args.concurrency,
+            baseline_images=args.baseline_images,
+            cache_dir=args.cache_dir,
+        )

@@ -1,0 +1,39 @@
+"""One object per sample: local paths, file:// or http(s):// URLs, with optional labels."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import storage
+from .base import Dataset
+from .keys import KeyTable
+
+
+class Files(Dataset):
+    """`fetch(i)` gives the bytes of the i-th object, or `(bytes, label)` when labels are given."""
+
+    def __init__(self, urls_or_paths: Iterable[str], labels: Iterable[Any] | None = None) -> None:
+        self._urls = KeyTable(storage.check_url(str(u)) for u in urls_or_paths)
+        self._labels: npt.NDArray[Any] | None = None
+        if labels is not None:
+            self._labels = np.asarray(list(labels) if not hasattr(labels, "__len__") else labels)
+            if len(self._labels) != len(self._urls):
+                raise ValueError(
+                    f"got {len(self._labels)} labels for {len(self._urls)} files; give one each"
+                )
+
+    def __len__(self) -> int:
+        return len(self._urls)
+
+    def key(self, index: int) -> str:
+        return self._urls[index]
+
+    async def fetch(self, index: int) -> Any:
+        data = await storage.read(self._urls[index])
+        if self._labels is None:
+            return data
+        return data, self._labels[index].item()

@@ -1,0 +1,391 @@
+"""The Loader: wires sampler, fetch, decode and batching, and owns their lifecycle.
+
+One epoch is one `_EpochRun` in one event loop: a producer task launches a bounded window of
+chunk tasks (fetch every sample of a batch with at most `concurrency` reads in flight, then
+decode and collate the batch in the pool) and hands finished chunks, in order or as completed,
+to a queue of `prefetch` batches. `async for` reads that queue directly; a plain `for` runs the
+same run on a loop in a background thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import traceback
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+
+from ._loopthread import LoopThread
+from .collate import default_collate
+from .datasets import Dataset
+from .errors import LoaderError, SampleError
+from .sampling import EpochPlan, Indices, default_rank_and_world_size, epoch_order
+from .stats import LoaderStats
+from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
+from .workers import Chunk, ChunkResult, DecodePool, DecodeSpec, check_picklable
+
+UNBATCHED_CHUNK = 16
+"""Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
+
+_END = object()
+_SKIPPED = object()
+_EMPTY = object()
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+class Loader:
+    """Batches of decoded samples from a dataset; see the README for every argument."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        decode: Callable[..., Any] | None = None,
+        batch_size: int | None = 64,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+        concurrency: int = 64,
+        num_workers: int = 2,
+        prefetch: int = 4,
+        ordered: bool = True,
+        collate: Callable[[list[Any]], Any] = default_collate,
+        worker_init: Callable[[int], Any] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        on_error: Literal["raise", "skip"] = "raise",
+        persistent_workers: bool = False,
+        retries: int = DEFAULT_RETRIES,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not (hasattr(dataset, "fetch") and hasattr(dataset, "__len__")):
+            raise TypeError(
+                f"dataset must have __len__ and async fetch(index), got {type(dataset).__name__}"
+            )
+        _check_count("batch_size", batch_size, minimum=1, allow_none=True)
+        _check_count("concurrency", concurrency, minimum=1)
+        _check_count("num_workers", num_workers, minimum=0)
+        _check_count("prefetch", prefetch, minimum=1)
+        _check_count("seed", seed, minimum=0)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f'on_error must be "raise" or "skip", got {on_error!r}')
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be a function or None, got {decode!r}")
+        default_rank, default_world = default_rank_and_world_size()
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_world if world_size is None else world_size
+        _check_count("world_size", self.world_size, minimum=1)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
+        if num_workers:
+            check_picklable("decode", decode)
+            check_picklable("collate", collate)
+            check_picklable("worker_init", worker_init)
+        RetryPolicy(retries, timeout)  # validates both
+
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.concurrency = concurrency
+        self.num_workers = num_workers
+        self.prefetch = prefetch
+        self.ordered = ordered
+        self.on_error = on_error
+        self.persistent_workers = persistent_workers
+        self.retries = retries
+        self.timeout = timeout
+        self.stats = LoaderStats()
+        self._spec = DecodeSpec(decode, collate if batch_size else None, on_error == "skip", seed)
+        self._worker_init = worker_init
+        self._epoch = 0
+        self._position = 0
+        """Global position in the epoch's order of the last batch handed over."""
+        self._resume_at: int | None = None
+        self._closed = False
+        self._pools = _PoolHolder()
+        weakref.finalize(self, self._pools.close)
+
+    # -- epochs and state ------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at the beginning of `epoch` (its order depends on it)."""
+        _check_count("epoch", epoch, minimum=0)
+        self._epoch, self._position, self._resume_at = epoch, 0, None
+
+    def state_dict(self) -> dict[str, int]:
+        """Where this loader stands: small, JSON-serialisable, valid for any rank."""
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The next iteration continues the saved epoch at the saved global position."""
+        self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        self._resume_at = self._position
+
+    def _plan(self, start: int) -> EpochPlan:
+        order = epoch_order(len(self.dataset), self.shuffle, self.seed, self._epoch)
+        return EpochPlan(
+            order, self.batch_size or 1, self.rank, self.world_size, self.drop_last, start
+        )
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank (samples when batch_size is None)."""
+        return len(self._plan(0))
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    async def _open_run(self) -> _EpochRun:
+        if self._closed:
+            raise LoaderError("this Loader is closed; build a new one")
+        start = self._resume_at or 0
+        self._position, self._resume_at = start, None
+        pool = self._pools.get(self)
+        return _EpochRun(self, self._plan(start), pool)
+
+    async def _close_run(self, run: _EpochRun) -> None:
+        try:
+            await run.aclose()
+        finally:
+            if run.finished:
+                self._epoch, self._position = self._epoch + 1, 0
+            if not self.persistent_workers or run.pool.broken:
+                self._pools.close()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        run = await self._open_run()
+        try:
+            while (item := await run.next()) is not _END:
+                yield item
+        finally:
+            await self._close_run(run)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    def __iter__(self) -> Iterator[Any]:
+        loop = LoopThread()
+        try:
+            run = loop.call(self._open_run())
+            try:
+                while (item := loop.call(run.next())) is not _END:
+                    yield item
+            finally:
+                loop.call(self._close_run(run))
+        finally:
+            loop.stop()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the decode processes; idempotent. Iterations in progress end with an error."""
+        self._closed = True
+        self._pools.close()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Loader:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+class _PoolHolder:
+    """The loader's decode pool, built on first use; kept apart so a finalizer can close it."""
+
+    def __init__(self) -> None:
+        self._pool: DecodePool | None = None
+        self._lock = threading.Lock()
+
+    def get(self, loader: Loader) -> DecodePool:
+        with self._lock:
+            if self._pool is None:
+                base_seed = int(
+                    np.random.SeedSequence([loader.seed, loader.epoch], spawn_key=(2,))
+                    .generate_state(1)[0]
+                )
+                self._pool = DecodePool(
+                    loader._spec, loader.num_workers, base_seed, loader._worker_init
+                )
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+
+class _EpochRun:
+    """One pass over (the rest of) an epoch inside one event loop."""
+
+    def __init__(self, loader: Loader, plan: EpochPlan, pool: DecodePool) -> None:
+        self._loader = loader
+        self._epoch = loader.epoch
+        self._plan = plan
+        self.pool = pool
+        self.finished = False
+        steps_per_chunk = 1 if loader.batch_size else UNBATCHED_CHUNK
+        self._chunk_starts = range(0, len(plan), steps_per_chunk)
+        self._steps_per_chunk = steps_per_chunk
+        chunk_samples = (loader.batch_size or 1) * steps_per_chunk
+        self._window = -(-loader.concurrency // chunk_samples) + loader.num_workers + 1
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=loader.prefetch)
+        self._fetch_slots = asyncio.Semaphore(loader.concurrency)
+        self._storage = Storage(loader.concurrency, loader.retries, loader.timeout, loader.stats)
+        self._delivered = _Progress()
+        with self._storage.as_current():
+            self._producer = asyncio.create_task(self._produce(), name="aioloader-producer")
+
+    async def next(self) -> Any:
+        """The next batch, or _END; raises the first failure of the run."""
+        while True:
+            entry = await self._queue.get()
+            if entry is _END:
+                self.finished = True
+                return _END
+            if isinstance(entry, _Failure):
+                raise entry.error
+            step, item = entry
+            self._loader._position = self._plan.global_position(self._delivered.add(step))
+            if item is not _EMPTY:
+                self._loader.stats.batches += 1
+                return item
+
+    async def aclose(self) -> None:
+        self._producer.cancel()
+        try:
+            await self._producer
+        except asyncio.CancelledError:
+            pass
+        finally:
+            await self._storage.aclose()
+
+    # -- producer side -----------------------------------------------------------------------
+
+    async def _produce(self) -> None:
+        in_flight: deque[asyncio.Task[list[tuple[int, Any]]]] = deque()
+        try:
+            for first_step in self._chunk_starts:
+                while len(in_flight) >= self._window:
+                    await self._deliver_one(in_flight)
+                steps = range(first_step, min(first_step + self._steps_per_chunk, len(self._plan)))
+                in_flight.append(asyncio.create_task(self._make_chunk(steps)))
+            while in_flight:
+                await self._deliver_one(in_flight)
+            await self._queue.put(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            await self._queue.put(_Failure(e))
+        finally:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _deliver_one(self, in_flight: deque[asyncio.Task[list[tuple[int, Any]]]]) -> None:
+        """Hand over the oldest chunk (ordered) or whichever finishes first."""
+        if self._loader.ordered:
+            task = in_flight[0]
+            await asyncio.wait([task])
+        else:
+            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+            task = done.pop()
+        in_flight.remove(task)
+        for entry in task.result():
+            await self._queue.put(entry)
+
+    async def _make_chunk(self, steps: range) -> list[tuple[int, Any]]:
+        """Fetch, decode and collate the samples of `steps`; one (step, item) per step."""
+        per_step = [self._plan.step(k) for k in steps]
+        indices: Indices = np.concatenate(per_step) if per_step else np.empty(0, np.int64)
+        raws = await asyncio.gather(*(self._fetch(int(i)) for i in indices), return_exceptions=True)
+        for raw in raws:
+            if isinstance(raw, BaseException):
+                raise raw
+        kept = [n for n, raw in enumerate(raws) if raw is not _SKIPPED]
+        chunk = Chunk(self._epoch, [int(indices[n]) for n in kept], [raws[n] for n in kept])
+        result = await self.pool.run(chunk)
+        self._account(chunk, result)
+        if self._loader.batch_size:
+            return [(steps[0], result.items[0] if result.items else _EMPTY)]
+        decoded = iter(result.items)
+        skipped = {kept[position] for position, _ in result.skipped}
+        skipped.update(n for n, raw in enumerate(raws) if raw is _SKIPPED)
+        return [(k, _EMPTY if n in skipped else next(decoded)) for n, k in enumerate(steps)]
+
+    def _account(self, chunk: Chunk, result: ChunkResult) -> None:
+        stats = self._loader.stats
+        for position, text in result.skipped:
+            index = chunk.indices[position]
+            stats.record_skip(str(SampleError(index, self._key(index), "decode", text)))
+        if result.failure is not None:
+            failed, text = result.failure
+            if failed is None:
+                raise LoaderError(f"collate failed for samples {chunk.indices}:\n{text}")
+            raise SampleError(failed, self._key(failed), "decode", text)
+        stats.samples += len(chunk.indices) - len(result.skipped)
+
+    async def _fetch(self, index: int) -> Any:
+        async with self._fetch_slots:
+            try:
+                return await self._loader.dataset.fetch(index)
+            except Exception as e:
+                error = SampleError(index, self._key(index), "fetch", traceback.format_exc())
+                if self._loader.on_error == "raise":
+                    raise error from e
+                self._loader.stats.record_skip(str(error))
+                return _SKIPPED
+
+    def _key(self, index: int) -> str:
+        try:
+            return self._loader.dataset.key(index)
+        except Exception:
+            return str(index)
+
+
+class _Progress:
+    """Counts delivered steps as a contiguous prefix, whatever order they arrive in."""
+
+    def __init__(self) -> None:
+        self._prefix = 0
+        self._ahead: set[int] = set()
+
+    def add(self, step: int) -> int:
+        self._ahead.add(step)
+        while self._prefix in self._ahead:
+            self._ahead.remove(self._prefix)
+            self._prefix += 1
+        return self._prefix
+
+
+def _check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

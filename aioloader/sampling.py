@@ -1,0 +1,78 @@
+"""The index order of an epoch, and which part of it each rank takes at each step.
+
+The global order depends only on (length, shuffle, seed, epoch). Ranks move through it in
+lockstep: at step k they together take the next `world_size * step_size` samples, rank r the
+r-th share. A position in the global order therefore resumes any rank, at any world size.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import numpy.typing as npt
+
+Indices = npt.NDArray[np.int64]
+_ORDER_STREAM = 1
+"""Spawn key that keeps the order's random stream apart from the per-sample streams."""
+
+
+def epoch_order(length: int, shuffle: bool, seed: int, epoch: int) -> Indices:
+    if not shuffle:
+        return np.arange(length, dtype=np.int64)
+    sequence = np.random.SeedSequence([seed, epoch], spawn_key=(_ORDER_STREAM,))
+    return np.random.default_rng(sequence).permutation(length).astype(np.int64)
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The generator handed to decode for one sample: the same wherever it is decoded."""
+    return np.random.default_rng([seed, epoch, index])
+
+
+class EpochPlan:
+    """The steps of one epoch for one rank, from a global position onwards; computed lazily."""
+
+    def __init__(
+        self,
+        order: Indices,
+        step_size: int,
+        rank: int,
+        world_size: int,
+        drop_last: bool,
+        start: int = 0,
+    ) -> None:
+        group = step_size * world_size
+        if drop_last:
+            order = order[: len(order) // group * group]
+        elif len(order) % world_size:
+            wrap = world_size - len(order) % world_size
+            order = np.concatenate([order, np.resize(order, wrap)])
+        self._order = order[start:]
+        self.start = start
+        self._step_size = step_size
+        self._rank = rank
+        self._world_size = world_size
+
+    def __len__(self) -> int:
+        return -(-len(self._order) // (self._step_size * self._world_size))
+
+    def step(self, k: int) -> Indices:
+        """The indices this rank takes at step k (counted from `start`)."""
+        group = self._step_size * self._world_size
+        chunk = self._order[k * group : (k + 1) * group]
+        share = len(chunk) // self._world_size
+        return chunk[self._rank * share : (self._rank + 1) * share]
+
+    def global_position(self, steps_done: int) -> int:
+        """Where the global order stands after `steps_done` steps of every rank."""
+        group = self._step_size * self._world_size
+        return self.start + min(steps_done * group, len(self._order))
+
+
+def default_rank_and_world_size() -> tuple[int, int]:
+    """torch.distributed when initialised, else RANK / WORLD_SIZE, else a single process."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -1,0 +1,131 @@
+"""Async byte reads by URL: local paths and file:// (aiofiles), http(s):// (aiohttp).
+
+A loader opens one `Storage` per run and makes it current, so every `fetch` in that run shares
+one connection pool; `read` and `read_range` outside a loader open a short-lived one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from urllib.parse import unquote, urlsplit
+
+from ..stats import LoaderStats
+from .http import HttpStore
+from .local import LocalStore
+from .retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
+
+__all__ = [
+    "DEFAULT_RETRIES",
+    "DEFAULT_TIMEOUT",
+    "RetryPolicy",
+    "Storage",
+    "check_url",
+    "read",
+    "read_range",
+]
+
+SCHEMES = ("", "file", "http", "https")
+_current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
+    "aioloader_storage", default=None
+)
+
+
+def check_url(url: str) -> str:
+    """Return `url` if some store can read it, else raise a ValueError that says what can."""
+    scheme = urlsplit(url).scheme.lower()
+    if len(scheme) == 1 and os.name == "nt":  # a Windows drive letter, not a scheme
+        scheme = ""
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unknown URL scheme {scheme!r} in {url!r}: use a local path, file://, http:// or https://"
+        )
+    return url
+
+
+def local_path(url: str) -> str | None:
+    """The file-system path a local URL names, or None for a remote URL."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        return unquote(parts.path)
+    if parts.scheme in ("http", "https"):
+        return None
+    return url
+
+
+class Storage:
+    """Reads for one event loop: one HTTP session and one file thread pool, closed together."""
+
+    def __init__(
+        self,
+        concurrency: int = 64,
+        retries: int = DEFAULT_RETRIES,
+        timeout: float = DEFAULT_TIMEOUT,
+        stats: LoaderStats | None = None,
+    ) -> None:
+        self.stats = stats if stats is not None else LoaderStats()
+        self._local = LocalStore(max_threads=min(32, concurrency))
+        self._http = HttpStore(concurrency, RetryPolicy(retries, timeout), self.stats)
+
+    async def read(self, url: str) -> bytes:
+        return await self._read(url, None, None)
+
+    async def read_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes `start` up to, not including, `end`."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad byte range {start}..{end} for {url}")
+        return await self._read(url, start, end)
+
+    async def _read(self, url: str, start: int | None, end: int | None) -> bytes:
+        path = local_path(url)
+        if path is None:
+            data = await self._http.read(url, start, end)
+        else:
+            data = await self._local.read(path, start, end)
+            self.stats.requests += 1
+        self.stats.bytes_read += len(data)
+        return data
+
+    @contextmanager
+    def as_current(self) -> Iterator[Storage]:
+        """Make this the storage that module-level `read` uses in this context."""
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    async def aclose(self) -> None:
+        try:
+            await self._http.aclose()
+        finally:
+            self._local.close()
+
+    async def __aenter__(self) -> Storage:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+
+async def read(url: str) -> bytes:
+    """All bytes at `url`, through the running loader's storage when there is one."""
+    storage = _current.get()
+    if storage is not None:
+        return await storage.read(url)
+    async with Storage(concurrency=1) as storage:
+        return await storage.read(url)
+
+
+async def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes `start` up to, not including, `end` at `url`."""
+    storage = _current.get()
+    if storage is not None:
+        return await storage.read_range(url, start, end)
+    async with Storage(concurrency=1) as storage:
+        return await storage.read_range(url, start, end)

@@ -1,0 +1,223 @@
+"""A real HTTP server over a directory, with injectable latency and faults.
+
+Tests, the demo and the benchmarks start it in its own process on 127.0.0.1 with a free port
+(`TestServer`), or from the command line (`aioloader serve DIR --latency-ms 20`). Faults can be
+changed while it runs (POST /_control) and its counters read (GET /_stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import re
+import selectors
+import subprocess
+import sys
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+
+READY_PREFIX = "serving "
+START_TIMEOUT = 30.0
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
+
+
+@dataclass
+class Faults:
+    """What the server does to each request; rates are fractions of requests, drawn at random."""
+
+    latency_ms: float = 0.0
+    error_rate: float = 0.0
+    """Answered 503."""
+    retry_after: float | None = None
+    """Seconds sent in Retry-After with those 503s; None sends none."""
+    throttle_rate: float = 0.0
+    """Answered 429 with Retry-After: 0."""
+    drop_rate: float = 0.0
+    """Connection cut after half of the body."""
+    stall_rate: float = 0.0
+    """Held for stall_seconds before the answer."""
+    stall_seconds: float = 60.0
+    seed: int = 0
+
+
+class _FaultyFileServer:
+    def __init__(self, root: Path, faults: Faults) -> None:
+        self.root = root.resolve()
+        self.faults = faults
+        self.random = random.Random(faults.seed)
+        self.counts: Counter[str] = Counter()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/_control", self.control)
+        app.router.add_get("/_stats", self.stats)
+        app.router.add_get("/{path:.*}", self.serve_file)
+        return app
+
+    async def control(self, request: web.Request) -> web.Response:
+        changes = await request.json()
+        self.faults = dataclasses.replace(self.faults, **changes)
+        if "seed" in changes:
+            self.random = random.Random(self.faults.seed)
+        return web.json_response(dataclasses.asdict(self.faults))
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return web.json_response(dict(self.counts))
+
+    async def serve_file(self, request: web.Request) -> web.StreamResponse:
+        self.counts["requests"] += 1
+        faults = self.faults
+        if faults.latency_ms:
+            await asyncio.sleep(faults.latency_ms / 1000)
+        roll = self.random.random()
+        for name, rate in (
+            ("errors", faults.error_rate),
+            ("throttles", faults.throttle_rate),
+            ("drops", faults.drop_rate),
+            ("stalls", faults.stall_rate),
+        ):
+            if roll < rate:
+                self.counts[name] += 1
+                return await self._misbehave(name, request)
+            roll -= rate
+        return self._answer(request)
+
+    async def _misbehave(self, fault: str, request: web.Request) -> web.StreamResponse:
+        if fault == "errors":
+            retry_after = self.faults.retry_after
+            headers = {} if retry_after is None else {"Retry-After": f"{retry_after:g}"}
+            return web.Response(status=503, text="injected fault", headers=headers)
+        if fault == "throttles":
+            return web.Response(status=429, text="slow down", headers={"Retry-After": "0"})
+        if fault == "stalls":
+            await asyncio.sleep(self.faults.stall_seconds)
+            return self._answer(request)
+        answer = self._answer(request)
+        if answer.status >= 300 or answer.body is None:
+            return answer
+        body = bytes(answer.body)  # type: ignore[arg-type]
+        cut = web.StreamResponse(status=answer.status, headers=answer.headers)
+        cut.content_length = len(body)
+        await cut.prepare(request)
+        await cut.write(body[: len(body) // 2])
+        if request.transport is not None:
+            request.transport.close()
+        return cut
+
+    def _answer(self, request: web.Request) -> web.Response:
+        path = (self.root / request.match_info["path"]).resolve()
+        if not path.is_relative_to(self.root) or not path.is_file():
+            self.counts["not_found"] += 1
+            return web.Response(status=404, text=f"no such file: {request.path}")
+        size = path.stat().st_size
+        match = _RANGE.match(request.headers.get("Range", ""))
+        if not match:
+            return web.Response(body=path.read_bytes(), headers={"Accept-Ranges": "bytes"})
+        first_text, last_text = match.groups()
+        if first_text:
+            first, last = int(first_text), min(int(last_text or size - 1), size - 1)
+        else:
+            first, last = max(0, size - int(last_text)), size - 1
+        if first >= size or first > last:
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
+        self.counts["ranges"] += 1
+        with path.open("rb") as f:
+            f.seek(first)
+            body = f.read(last - first + 1)
+        headers = {"Content-Range": f"bytes {first}-{last}/{size}", "Accept-Ranges": "bytes"}
+        return web.Response(status=206, body=body, headers=headers)
+
+
+async def serve(root: Path, host: str, port: int, faults: Faults) -> None:
+    """Serve until cancelled; prints one line `serving http://HOST:PORT/` once listening."""
+    runner = web.AppRunner(_FaultyFileServer(root, faults).app(), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound_host, bound_port = runner.addresses[0][:2]
+        print(f"{READY_PREFIX}http://{bound_host}:{bound_port}/", flush=True)
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+class TestServer:
+    """The fault-injecting server in a child process on 127.0.0.1; a context manager."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, root: str | os.PathLike[str], **faults: Any) -> None:
+        options = Faults(**faults)
+        command = [sys.executable, "-m", "aioloader", "serve", str(root), "--port", "0"]
+        for field in dataclasses.fields(options):
+            value = getattr(options, field.name)
+            if value is not None:
+                command += [f"--{field.name.replace('_', '-')}", str(value)]
+        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        self.url = self._wait_until_ready()
+
+    def _wait_until_ready(self) -> str:
+        assert self._process.stdout is not None
+        line = _readline_with_timeout(self._process, START_TIMEOUT)
+        if not line.startswith(READY_PREFIX):
+            self.close()
+            raise RuntimeError(f"test server did not start: {line!r}")
+        return line[len(READY_PREFIX) :].strip()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def set_faults(self, **changes: Any) -> dict[str, Any]:
+        """Change latency or fault rates of the running server."""
+        request = urllib.request.Request(
+            self.url + "_control", data=json.dumps(changes).encode(), method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            result: dict[str, Any] = json.load(response)
+        return result
+
+    def stats(self) -> dict[str, int]:
+        """Counters: requests, errors, throttles, drops, stalls, ranges, not_found."""
+        with urllib.request.urlopen(self.url + "_stats", timeout=10) as response:
+            result: dict[str, int] = json.load(response)
+        return result
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(5)
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+    def __enter__(self) -> TestServer:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _readline_with_timeout(process: subprocess.Popen[str], timeout: float) -> str:
+    """The child's first line of output, or '' if it prints nothing in time or dies."""
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout):
+            return ""
+    return process.stdout.readline()

@@ -1,0 +1,91 @@
+"""The PyTorch bridge: batches as tensors, and an IterableDataset for code that wants one.
+
+torch is imported here only; `import aioloader` never imports it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .loader import Loader
+
+__all__ = ["TorchLoader", "as_iterable_dataset", "to_tensors"]
+
+
+def to_tensors(batch: Any, pin_memory: bool = False) -> Any:
+    """The same structure with every numpy array turned into a tensor sharing its memory."""
+    if isinstance(batch, np.ndarray):
+        if batch.dtype.kind in "USO":  # strings and objects have no tensor type
+            return batch
+        tensor = torch.from_numpy(batch)
+        return tensor.pin_memory() if pin_memory else tensor
+    if isinstance(batch, Mapping):
+        return type(batch)({k: to_tensors(v, pin_memory) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_tensors(v, pin_memory) for v in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_tensors(v, pin_memory) for v in batch)
+    return batch
+
+
+def _can_pin() -> bool:
+    return bool(torch.cuda.is_available())
+
+
+class TorchLoader:
+    """Iterates a Loader with numpy arrays turned into tensors (`torch.from_numpy`, no copy)."""
+
+    def __init__(self, loader: Loader, pin_memory: bool = False) -> None:
+        self.loader = loader
+        self.pin_memory = pin_memory and _can_pin()
+        if pin_memory and not self.pin_memory:
+            warnings.warn(
+                "pin_memory=True but no accelerator is available; batches stay in pageable memory",
+                stacklevel=2,
+            )
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            yield to_tensors(batch, self.pin_memory)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def close(self) -> None:
+        self.loader.close()
+
+    def __enter__(self) -> TorchLoader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class _LoaderDataset(torch.utils.data.IterableDataset[Any]):
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError(
+                "an aioloader dataset runs its own workers: wrap it in "
+                "DataLoader(ds, batch_size=None, num_workers=0)"
+            )
+        return iter(TorchLoader(self.loader))
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def as_iterable_dataset(loader: Loader) -> torch.utils.data.IterableDataset[Any]:
+    """For frameworks that insist on a DataLoader: use `DataLoader(ds, batch_size=None)`."""
+    return _LoaderDataset(loader)

@@ -1,0 +1,255 @@
+"""The decode process pool: start method, worker ids and seeds, running decode on chunks.
+
+A chunk is the unit sent to a process: the raw items of one batch (or of a few unbatched
+samples). Decoding and collating a whole batch in one task keeps the pipe traffic to one
+message each way per batch, whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import pickle
+import random
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+import numpy as np
+
+from .errors import WorkerDiedError
+from .sampling import sample_rng
+
+CLOSE_GRACE_SECONDS = 2.0
+"""How long close() lets a busy decode process finish before it is killed."""
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What `get_worker_info()` tells code running in a decode process."""
+
+    id: int
+    num_workers: int
+    seed: int
+
+
+_worker_info: WorkerInfo | None = None
+_spec: DecodeSpec | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """Inside decode: this process's id, the number of decode processes and its seed.
+
+    None in the main process (also when num_workers=0 decodes inline).
+    """
+    return _worker_info
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """Everything a decode process needs, sent once when it starts."""
+
+    decode: Callable[..., Any] | None
+    collate: Callable[[list[Any]], Any] | None
+    """None: deliver samples one by one instead of a batch."""
+    skip_errors: bool
+    seed: int
+    wants_rng: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wants_rng", takes_rng(self.decode))
+
+
+@dataclass
+class Chunk:
+    epoch: int
+    indices: list[int]
+    raws: list[Any]
+
+
+@dataclass
+class ChunkResult:
+    items: list[Any]
+    """One collated batch, nothing if every sample was skipped, or the samples when unbatched."""
+    skipped: list[tuple[int, str]]
+    """(position in the chunk, traceback) of samples whose decode raised, on_error="skip"."""
+    failure: tuple[int | None, str] | None = None
+    """(index, traceback) of the first failure with on_error="raise"; index None: collate."""
+
+
+def takes_rng(decode: Callable[..., Any] | None) -> bool:
+    """True when decode accepts a second positional argument (with or without a default)."""
+    if decode is None:
+        return False
+    try:
+        parameters = inspect.signature(decode).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = [
+        p
+        for p in parameters
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in positional)
+
+
+def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
+    """Decode every raw item of a chunk, then collate them; errors become data, not raises."""
+    samples: list[Any] = []
+    skipped: list[tuple[int, str]] = []
+    for position, (index, raw) in enumerate(zip(chunk.indices, chunk.raws, strict=True)):
+        try:
+            if spec.decode is None:
+                samples.append(raw)
+            elif spec.wants_rng:
+                samples.append(spec.decode(raw, sample_rng(spec.seed, chunk.epoch, index)))
+            else:
+                samples.append(spec.decode(raw))
+        except Exception:
+            if not spec.skip_errors:
+                return ChunkResult([], skipped, (index, traceback.format_exc()))
+            skipped.append((position, traceback.format_exc()))
+    if spec.collate is None or not samples:
+        return ChunkResult(samples, skipped)
+    try:
+        return ChunkResult([spec.collate(samples)], skipped)
+    except Exception:
+        return ChunkResult([], skipped, (None, traceback.format_exc()))
+
+
+def _run_in_worker(chunk: Chunk) -> ChunkResult:
+    assert _spec is not None, "decode process was not initialised"
+    return run_chunk(_spec, chunk)
+
+
+def _warm_up() -> None:
+    """A no-op task; submitting one per worker starts every process at once."""
+
+
+def _init_worker(
+    spec: DecodeSpec,
+    num_workers: int,
+    base_seed: int,
+    next_id: Synchronized[int],
+    worker_init: Callable[[int], Any] | None,
+) -> None:
+    global _worker_info, _spec
+    with next_id.get_lock():
+        worker_id = next_id.value
+        next_id.value += 1
+    seed = base_seed + worker_id
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+    _worker_info = WorkerInfo(worker_id, num_workers, seed)
+    _spec = spec
+    if worker_init is not None:
+        worker_init(worker_id)
+
+
+def check_picklable(name: str, value: object) -> None:
+    """Fail at construction, not in a worker, when a function cannot reach the processes."""
+    try:
+        pickle.dumps(value)
+    except Exception as e:
+        raise ValueError(
+            f"{name}={value!r} cannot be sent to the decode processes ({e}). Define it at module "
+            "level (not a lambda or a nested function); in a script, keep the loop under "
+            "`if __name__ == '__main__':`. Or use num_workers=0 to decode in this process."
+        ) from e
+
+
+def start_method() -> str:
+    """forkserver where it exists (Linux): never plain fork, since a loop thread may be running."""
+    methods = multiprocessing.get_all_start_methods()
+    return "forkserver" if "forkserver" in methods and sys.platform == "linux" else "spawn"
+
+
+class DecodePool:
+    """Runs chunks in `num_workers` processes, or inline when num_workers is 0."""
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        num_workers: int,
+        base_seed: int,
+        worker_init: Callable[[int], Any] | None,
+    ) -> None:
+        self._spec = spec
+        self.num_workers = num_workers
+        self._executor: ProcessPoolExecutor | None = None
+        if num_workers:
+            context = multiprocessing.get_context(start_method())
+            self._executor = ProcessPoolExecutor(
+                num_workers,
+                mp_context=context,
+                initializer=_init_worker,
+                initargs=(spec, num_workers, base_seed, context.Value("i", 0), worker_init),
+            )
+            for _ in range(num_workers):  # processes start on demand: ask for all of them now
+                self._executor.submit(_warm_up)
+
+    @property
+    def broken(self) -> bool:
+        return self._executor is not None and bool(getattr(self._executor, "_broken", False))
+
+    async def run(self, chunk: Chunk) -> ChunkResult:
+        if self._executor is None:
+            return run_chunk(self._spec, chunk)
+        try:
+            return await asyncio.wrap_future(self._executor.submit(_run_in_worker, chunk))
+        except BrokenProcessPool as e:
+            raise WorkerDiedError(
+                f"a decode process ended abruptly ({self._exit_report()}) while decoding samples "
+                f"{_short_list(chunk.indices)}; the OOM killer or a crash in native code are "
+                f"the usual causes. Original error: {e}"
+            ) from e
+
+    def _exit_report(self) -> str:
+        processes = (getattr(self._executor, "_processes", None) or {}).values()
+        codes = {p.exitcode for p in processes if p.exitcode is not None}
+        # the pool sends SIGTERM to the survivors once one dies: name the first cause
+        causes = codes - {-signal.SIGTERM} or codes
+        return ", ".join(_describe_exit(c) for c in sorted(causes)) or "exit status unknown"
+
+    def close(self) -> None:
+        """Stop the processes: idle ones exit at once, busy ones get a grace period, then a kill."""
+        executor, self._executor = self._executor, None
+        if executor is None:
+            return
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + CLOSE_GRACE_SECONDS
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join(CLOSE_GRACE_SECONDS)
+        manager = getattr(executor, "_executor_manager_thread", None)
+        if manager is not None:
+            manager.join(CLOSE_GRACE_SECONDS)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _short_list(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"

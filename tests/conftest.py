@@ -1,0 +1,93 @@
+"""Fixtures: sample files on disk, the project's HTTP test server on loopback, leak checks."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from aioloader.testing import TestServer
+
+from decoders import SAMPLE_COUNT, write_samples
+
+
+@pytest.fixture(scope="session")
+def sample_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("samples")
+    write_samples(folder, SAMPLE_COUNT)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def server(sample_dir: Path) -> Iterator[TestServer]:
+    with TestServer(sample_dir) as running:
+        yield running
+
+
+@pytest.fixture
+def faulty_server(sample_dir: Path) -> Iterator[TestServer]:
+    """A server of this test's own, whose faults the test sets with set_faults()."""
+    with TestServer(sample_dir) as running:
+        yield running
+
+
+@pytest.fixture
+def local_paths(sample_dir: Path) -> list[str]:
+    return [str(sample_dir / f"{i:04d}.bin") for i in range(SAMPLE_COUNT)]
+
+
+@pytest.fixture
+def urls(server: TestServer) -> list[str]:
+    return [f"{server.url}{i:04d}.bin" for i in range(SAMPLE_COUNT)]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    processes: frozenset[int]
+    threads: frozenset[int]
+    sockets: int
+
+
+def _ours(process: psutil.Process) -> bool:
+    """Python's own helpers (forkserver, resource tracker) live as long as the interpreter."""
+    try:
+        command = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    return "forkserver" not in command and "resource_tracker" not in command
+
+
+def snapshot() -> Snapshot:
+    me = psutil.Process()
+    children = frozenset(p.pid for p in me.children(recursive=True) if _ours(p))
+    threads = frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
+    return Snapshot(children, threads, len(me.net_connections(kind="inet")))
+
+
+@pytest.fixture
+def leak_check() -> Iterator[None]:
+    """Fails the test if it leaves processes, threads or sockets behind 5 s after it ends."""
+    before = snapshot()
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        gc.collect()
+        now = snapshot()
+        extra_processes = now.processes - before.processes
+        extra_threads = now.threads - before.threads
+        extra_sockets = now.sockets - before.sockets
+        if not (extra_processes or extra_threads or extra_sockets > 0):
+            return
+        if time.monotonic() > deadline:
+            names = [t.name for t in threading.enumerate() if t.ident in extra_threads]
+            pytest.fail(
+                f"left behind: processes {sorted(extra_processes)}, threads {names}, "
+                f"{extra_sockets} sockets"
+            )
+        time.sleep(0.05)

@@ -1,0 +1,63 @@
+"""Sample files and decode functions for the tests; importable by the decode processes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import aioloader
+
+SAMPLE_COUNT = 100
+
+
+def sample_bytes(index: int) -> bytes:
+    """Sample i: its index as 4 bytes, then 100 + i deterministic bytes."""
+    body = np.random.default_rng(index).integers(0, 256, 100 + index, dtype=np.uint8).tobytes()
+    return struct.pack("<I", index) + body
+
+
+def write_samples(folder: Path, count: int) -> None:
+    for i in range(count):
+        (folder / f"{i:04d}.bin").write_bytes(sample_bytes(i))
+
+
+def index_of(raw: bytes) -> int:
+    return int(struct.unpack_from("<I", raw)[0])
+
+
+def index_and_noise(raw: bytes, rng: np.random.Generator) -> dict[str, Any]:
+    """A decode with augmentation: the result depends on the per-sample rng."""
+    return {"index": index_of(raw), "noise": rng.normal(size=3).astype(np.float32)}
+
+
+def whoami(raw: bytes) -> tuple[int, int, int, int, float, int]:
+    time.sleep(0.005)  # slow enough that both processes get work
+    info = aioloader.get_worker_info()
+    assert info is not None
+    legacy = int(np.random.randint(0, 2**31))
+    return index_of(raw), info.id, info.num_workers, info.seed, random.random(), legacy
+
+
+def fail_on_seven(raw: bytes) -> int:
+    index = index_of(raw)
+    if index == 7:
+        raise ZeroDivisionError("sample seven is cursed")
+    return index
+
+
+def die_on_five(raw: bytes) -> int:
+    index = index_of(raw)
+    if index == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return index
+
+
+def mark_worker(folder: str, worker_id: int) -> None:
+    Path(folder, f"worker-{worker_id}").write_text(str(os.getpid()))

@@ -1,0 +1,74 @@
+"""The public surface and argument checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import aioloader
+from aioloader.datasets.keys import KeyTable
+
+from decoders import index_of
+
+CONTRACT = {
+    "Dataset", "Files", "Loader", "LoaderError", "default_collate", "get_worker_info",
+}
+
+
+def test_public_surface_is_what_all_says() -> None:
+    assert set(aioloader.__all__) >= CONTRACT
+    for name in aioloader.__all__:
+        assert hasattr(aioloader, name), name
+    assert sorted(aioloader.__all__) == aioloader.__all__
+
+
+def test_import_does_not_import_torch() -> None:
+    code = "import sys, aioloader; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ({"concurrency": -1}, "concurrency must be an integer >= 1"),
+        ({"num_workers": -2}, "num_workers must be an integer >= 0"),
+        ({"prefetch": 0}, "prefetch must be an integer >= 1"),
+        ({"on_error": "ignore"}, 'on_error must be "raise" or "skip"'),
+        ({"rank": 2, "world_size": 2}, "rank must be in 0..1"),
+        ({"retries": -1}, "retries must be 0 or more"),
+        ({"decode": lambda raw: raw}, "module level"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(arguments: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        aioloader.Loader(aioloader.Files(["a.bin"]), **arguments)  # type: ignore[arg-type]
+
+
+def test_lambda_is_fine_without_workers() -> None:
+    aioloader.Loader(aioloader.Files(["a.bin"]), decode=lambda raw: raw, num_workers=0)
+
+
+def test_labels_must_match_files() -> None:
+    with pytest.raises(ValueError, match="2 labels for 1 files"):
+        aioloader.Files(["a.bin"], labels=[1, 2])
+
+
+def test_keys_cost_their_bytes_not_python_objects() -> None:
+    keys = [f"s3-like/prefix/{i:08d}.jpg" for i in range(1_000_000)]
+    table = KeyTable(keys)
+    assert len(table) == 1_000_000 and table[123_456] == keys[123_456] and table[-1] == keys[-1]
+    assert table.nbytes == sum(len(k) for k in keys) + 8 * len(keys)
+
+
+def test_decode_taking_an_rng_is_recognised() -> None:
+    from aioloader.workers import takes_rng
+
+    def with_default(raw: bytes, rng: object = None) -> bytes:
+        return raw
+
+    assert takes_rng(with_default)
+    assert not takes_rng(index_of)

@@ -1,0 +1,59 @@
+"""default_collate batches like torch's default_collate, with numpy arrays."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+from aioloader import default_collate
+
+Point = namedtuple("Point", "x y")
+
+
+def test_arrays_stack_along_a_new_axis() -> None:
+    batch = default_collate([np.zeros((2, 3), np.uint8), np.ones((2, 3), np.uint8)])
+    assert batch.shape == (2, 2, 3) and batch.dtype == np.uint8
+
+
+def test_python_scalars_become_int64_float64_bool() -> None:
+    assert default_collate([1, 2]).dtype == np.int64
+    assert default_collate([1.0, 2.5]).dtype == np.float64
+    assert default_collate([True, False]).dtype == np.bool_
+    assert default_collate([np.float32(1), np.float32(2)]).dtype == np.float32
+
+
+def test_strings_and_bytes_stay_lists_as_in_torch() -> None:
+    assert default_collate(["a", "b"]) == ["a", "b"]
+    assert default_collate([b"a", b"b\x00"]) == [b"a", b"b\x00"]
+
+
+def test_nested_dicts_tuples_lists_and_namedtuples() -> None:
+    samples = [
+        {"image": np.full(2, i), "meta": (i, {"name": f"s{i}"}), "pt": Point(i, 2.0 * i), "l": [i]}
+        for i in range(3)
+    ]
+    batch = default_collate(samples)
+    assert batch["image"].tolist() == [[0, 0], [1, 1], [2, 2]]
+    ids, meta = batch["meta"]
+    assert ids.tolist() == [0, 1, 2] and meta["name"] == ["s0", "s1", "s2"]
+    assert isinstance(batch["pt"], Point) and batch["pt"].y.tolist() == [0.0, 2.0, 4.0]
+    assert isinstance(batch["l"], list) and batch["l"][0].tolist() == [0, 1, 2]
+
+
+def test_matches_torch_default_collate_values() -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import default_collate as torch_collate
+
+    samples = [{"x": np.arange(4, dtype=np.float32) * i, "y": i, "z": float(i)} for i in range(5)]
+    ours, theirs = default_collate(samples), torch_collate(samples)
+    for key in samples[0]:
+        assert np.asarray(ours[key]).tolist() == theirs[key].tolist()
+        assert str(theirs[key].dtype).removeprefix("torch.") == str(np.asarray(ours[key]).dtype)
+    assert torch.is_tensor(theirs["x"])
+
+
+def test_mismatched_shapes_say_what_to_do() -> None:
+    with pytest.raises(ValueError, match="different shapes"):
+        default_collate([np.zeros(2), np.zeros(3)])

@@ -1,0 +1,287 @@
+"""The Loader end to end against files on disk and the HTTP test server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader.testing import TestServer
+
+from decoders import (
+    SAMPLE_COUNT,
+    die_on_five,
+    fail_on_seven,
+    index_and_noise,
+    index_of,
+    mark_worker,
+    whoami,
+)
+
+
+def indices(batches: list[np.ndarray]) -> list[list[int]]:
+    return [b.tolist() for b in batches]
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [i for batch in batches for i in batch]
+
+
+def test_sequential_epoch_has_every_sample_in_order(urls: list[str]) -> None:
+    with aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=32) as loader:
+        batches = indices(list(loader))
+    assert [len(b) for b in batches] == [32, 32, 32, 4]
+    assert flat(batches) == list(range(SAMPLE_COUNT))
+    assert len(loader) == 4
+
+
+def test_drop_last_drops_the_partial_batch(local_paths: list[str]) -> None:
+    loader = aioloader.Loader(
+        aioloader.Files(local_paths), decode=index_of, batch_size=32, drop_last=True, num_workers=0
+    )
+    batches = indices(list(loader))
+    assert len(loader) == len(batches) == 3
+    assert flat(batches) == list(range(96))
+
+
+def test_shuffle_is_reproducible_per_seed_and_epoch(local_paths: list[str]) -> None:
+    def epoch_order(seed: int, epoch: int) -> list[int]:
+        loader = aioloader.Loader(
+            aioloader.Files(local_paths), decode=index_of, batch_size=10, shuffle=True,
+            seed=seed, num_workers=0,
+        )
+        loader.set_epoch(epoch)
+        return flat(indices(list(loader)))
+
+    first = epoch_order(seed=1, epoch=0)
+    assert sorted(first) == list(range(SAMPLE_COUNT))
+    assert first != list(range(SAMPLE_COUNT))
+    assert epoch_order(seed=1, epoch=0) == first
+    assert epoch_order(seed=1, epoch=1) != first
+    assert epoch_order(seed=2, epoch=0) != first
+
+
+def test_each_full_pass_moves_to_the_next_epoch(local_paths: list[str]) -> None:
+    loader = aioloader.Loader(
+        aioloader.Files(local_paths), decode=index_of, batch_size=10, shuffle=True, num_workers=0
+    )
+    epoch0 = flat(indices(list(loader)))
+    assert loader.epoch == 1
+    epoch1 = flat(indices(list(loader)))
+    loader.set_epoch(0)
+    assert flat(indices(list(loader))) == epoch0 != epoch1
+
+
+@pytest.mark.parametrize("num_workers", [1, 4])
+@pytest.mark.parametrize("concurrency", [1, 64])
+def test_batches_identical_whatever_the_workers_and_concurrency(
+    urls: list[str], num_workers: int, concurrency: int
+) -> None:
+    def run(workers: int, reads: int) -> list[dict[str, np.ndarray]]:
+        with aioloader.Loader(
+            aioloader.Files(urls), decode=index_and_noise, batch_size=16, shuffle=True, seed=3,
+            num_workers=workers, concurrency=reads,
+        ) as loader:
+            return list(loader)
+
+    reference = run(0, 8)
+    batches = run(num_workers, concurrency)
+    assert len(batches) == len(reference)
+    for got, want in zip(batches, reference, strict=True):
+        np.testing.assert_array_equal(got["index"], want["index"])
+        np.testing.assert_array_equal(got["noise"], want["noise"])
+
+
+def test_unordered_delivers_every_sample_once(urls: list[str]) -> None:
+    with aioloader.Loader(
+        aioloader.Files(urls), decode=index_of, batch_size=8, ordered=False, concurrency=16
+    ) as loader:
+        seen = sorted(flat(indices(list(loader))))
+    assert seen == list(range(SAMPLE_COUNT))
+
+
+def test_unbatched_yields_samples(urls: list[str]) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=None)
+    with loader:
+        assert list(loader) == list(range(SAMPLE_COUNT))
+    assert len(loader) == SAMPLE_COUNT
+
+
+def test_labels_come_with_the_bytes(urls: list[str]) -> None:
+    labels = [i % 3 for i in range(SAMPLE_COUNT)]
+    with aioloader.Loader(aioloader.Files(urls, labels), batch_size=50, num_workers=0) as loader:
+        raws, batch_labels = next(iter(loader))
+    assert [index_of(r) for r in raws] == list(range(50))
+    assert batch_labels.tolist() == labels[:50]
+
+
+async def test_async_for_and_plain_for_on_one_loader(urls: list[str]) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=25)
+    async with loader:
+        first = [b.tolist() async for b in loader]
+        second = await asyncio.to_thread(lambda: indices(list(loader)))
+    assert first == second
+    assert flat(first) == list(range(SAMPLE_COUNT))
+
+
+def test_worker_info_and_legacy_seeds_differ_per_worker(urls: list[str]) -> None:
+    assert aioloader.get_worker_info() is None
+    with aioloader.Loader(aioloader.Files(urls), decode=whoami, batch_size=4) as loader:
+        rows = [row for batch in loader for row in zip(*batch, strict=True)]
+    assert sorted(int(r[0]) for r in rows) == list(range(SAMPLE_COUNT))
+    by_worker = {int(r[1]): (int(r[2]), int(r[3])) for r in rows}
+    assert set(by_worker) <= {0, 1} and len(by_worker) == 2
+    assert all(n == 2 for n, _ in by_worker.values())
+    assert len({seed for _, seed in by_worker.values()}) == 2
+    first_draws = {}
+    for r in rows:
+        first_draws.setdefault(int(r[1]), (float(r[4]), int(r[5])))
+    assert first_draws[0] != first_draws[1]
+
+
+def test_worker_init_runs_once_in_each_worker(urls: list[str], tmp_path: Path) -> None:
+    init = functools.partial(mark_worker, str(tmp_path))
+    with aioloader.Loader(
+        aioloader.Files(urls), decode=index_of, batch_size=4, worker_init=init
+    ) as loader:
+        list(loader)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker-0", "worker-1"]
+
+
+def test_decode_error_names_the_sample_and_keeps_the_traceback(
+    urls: list[str], leak_check: None
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=fail_on_seven, batch_size=4)
+    with pytest.raises(aioloader.LoaderError) as caught:
+        list(loader)
+    message = str(caught.value)
+    assert "sample 7" in message and urls[7] in message
+    assert "ZeroDivisionError: sample seven is cursed" in message and "fail_on_seven" in message
+    del loader
+
+
+def test_missing_file_names_the_url_and_status(server: TestServer, urls: list[str]) -> None:
+    broken = [*urls[:10], server.url + "nope.bin"]
+    with pytest.raises(aioloader.LoaderError) as caught:
+        list(aioloader.Loader(aioloader.Files(broken), decode=index_of, num_workers=0))
+    assert server.url + "nope.bin" in str(caught.value) and "HTTP 404" in str(caught.value)
+
+
+def test_skip_counts_and_drops_bad_samples(server: TestServer, urls: list[str]) -> None:
+    broken = [*urls[:20], server.url + "nope.bin"]
+    loader = aioloader.Loader(
+        aioloader.Files(broken), decode=fail_on_seven, batch_size=4, on_error="skip"
+    )
+    with loader:
+        seen = flat(indices(list(loader)))
+    assert seen == [i for i in range(20) if i != 7]
+    assert loader.stats.skipped == 2
+    assert any("sample 7" in r for r in loader.stats.skip_reasons)
+    assert any("nope.bin" in r for r in loader.stats.skip_reasons)
+
+
+def test_killed_decode_process_raises_instead_of_hanging(urls: list[str], leak_check: None) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=die_on_five, batch_size=4)
+    with pytest.raises(aioloader.WorkerDiedError) as caught:
+        list(loader)
+    assert "SIGKILL" in str(caught.value) or "abruptly" in str(caught.value)
+    loader.close()
+
+
+def test_break_mid_epoch_leaves_no_processes(urls: list[str], leak_check: None) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=4)
+    for n, _ in enumerate(loader):
+        if n == 2:
+            break
+
+
+async def test_async_break_mid_epoch_leaves_no_processes(urls: list[str]) -> None:
+    from conftest import snapshot
+
+    before = snapshot()
+    loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=4)
+    async for n, _ in _aenumerate(loader):
+        if n == 2:
+            break
+    for _ in range(100):
+        gc.collect()
+        await asyncio.sleep(0.05)
+        now = snapshot()
+        if now.processes <= before.processes and now.sockets <= before.sockets:
+            break
+    assert now.processes <= before.processes and now.sockets <= before.sockets
+
+
+async def _aenumerate(loader: aioloader.Loader):  # type: ignore[no-untyped-def]
+    n = 0
+    async for item in loader:
+        yield n, item
+        n += 1
+
+
+def test_exception_in_consumer_leaves_nothing_behind(urls: list[str], leak_check: None) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=4)
+    with pytest.raises(KeyError), loader:
+        for _ in loader:
+            raise KeyError("consumer bug")
+
+
+def test_dropping_the_last_reference_mid_epoch_cleans_up(urls: list[str], leak_check: None) -> None:
+    loader = aioloader.Loader(
+        aioloader.Files(urls), decode=index_of, batch_size=4, persistent_workers=True
+    )
+    iterator = iter(loader)
+    next(iterator)
+    del iterator, loader
+
+
+def test_close_is_idempotent_and_final(urls: list[str], leak_check: None) -> None:
+    loader = aioloader.Loader(
+        aioloader.Files(urls), decode=index_of, batch_size=4, persistent_workers=True
+    )
+    with loader:
+        list(loader)
+    loader.close()
+    loader.close()
+    with pytest.raises(aioloader.LoaderError, match="closed"):
+        list(loader)
+
+
+def test_state_dict_resumes_with_the_same_batches(local_paths: list[str]) -> None:
+    def make() -> aioloader.Loader:
+        return aioloader.Loader(
+            aioloader.Files(local_paths), decode=index_of, batch_size=8, shuffle=True, seed=5,
+            num_workers=0,
+        )
+
+    uninterrupted = indices(list(make()))
+    first = make()
+    taken = []
+    for batch in first:
+        taken.append(batch.tolist())
+        if len(taken) == 5:
+            state = json.loads(json.dumps(first.state_dict()))
+            break
+    second = make()
+    second.load_state_dict(state)
+    assert taken + indices(list(second)) == uninterrupted
+
+
+def test_ranks_take_disjoint_shares_that_cover_the_epoch(local_paths: list[str]) -> None:
+    shares = []
+    for rank in range(3):
+        loader = aioloader.Loader(
+            aioloader.Files(local_paths), decode=index_of, batch_size=8, shuffle=True,
+            rank=rank, world_size=3, num_workers=0,
+        )
+        shares.append(flat(indices(list(loader))))
+    assert len({len(s) for s in shares}) == 1
+    covered = set().union(*shares)
+    assert covered == set(range(SAMPLE_COUNT))
+    assert sum(map(len, shares)) - len(covered) == 3 - SAMPLE_COUNT % 3  # padding wraps around

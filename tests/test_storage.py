@@ -1,0 +1,91 @@
+"""Reads of whole objects and byte ranges, locally and over HTTP with injected faults."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from aioloader import FetchError, storage
+from aioloader.testing import TestServer
+
+from decoders import sample_bytes
+
+
+async def test_local_path_and_file_url_reads(sample_dir: Path) -> None:
+    path = sample_dir / "0003.bin"
+    assert await storage.read(str(path)) == sample_bytes(3)
+    assert await storage.read(path.as_uri()) == sample_bytes(3)
+    assert await storage.read_range(str(path), 2, 9) == sample_bytes(3)[2:9]
+
+
+async def test_missing_local_file_names_the_path(sample_dir: Path) -> None:
+    with pytest.raises(FetchError, match=r"nothing-here\.bin"):
+        await storage.read(str(sample_dir / "nothing-here.bin"))
+
+
+async def test_http_read_and_range(server: TestServer) -> None:
+    before = server.stats().get("ranges", 0)
+    assert await storage.read(server.url + "0042.bin") == sample_bytes(42)
+    assert await storage.read_range(server.url + "0042.bin", 10, 50) == sample_bytes(42)[10:50]
+    assert server.stats()["ranges"] == before + 1
+
+
+async def test_404_names_url_and_status_without_retrying(faulty_server: TestServer) -> None:
+    url = faulty_server.url + "missing.bin"
+    async with storage.Storage() as reads:
+        with pytest.raises(FetchError) as caught:
+            await reads.read(url)
+    assert caught.value.status == 404 and url in str(caught.value) and "404" in str(caught.value)
+    assert faulty_server.stats()["requests"] == 1
+    assert reads.stats.retries == 0
+
+
+@pytest.mark.parametrize(
+    "fault", [{"error_rate": 0.3}, {"throttle_rate": 0.3}, {"drop_rate": 0.3}]
+)
+async def test_faults_are_retried_until_every_read_succeeds(
+    faulty_server: TestServer, fault: dict[str, float]
+) -> None:
+    faulty_server.set_faults(**fault)
+    async with storage.Storage(concurrency=16) as reads:
+        for i in range(60):
+            assert await reads.read(f"{faulty_server.url}{i:04d}.bin") == sample_bytes(i)
+    counts = faulty_server.stats()
+    injected = sum(counts.get(k, 0) for k in ("errors", "throttles", "drops"))
+    assert injected > 0
+    assert reads.stats.retries == injected
+
+
+async def test_retry_budget_spent_names_url_and_status(faulty_server: TestServer) -> None:
+    faulty_server.set_faults(error_rate=1.0)
+    url = faulty_server.url + "0001.bin"
+    async with storage.Storage(retries=2) as reads:
+        with pytest.raises(FetchError) as caught:
+            await reads.read(url)
+    assert url in str(caught.value) and "503" in str(caught.value)
+    assert "3 attempts" in str(caught.value)
+    assert faulty_server.stats()["requests"] == 3
+
+
+async def test_retry_after_is_honoured(faulty_server: TestServer) -> None:
+    faulty_server.set_faults(error_rate=1.0, retry_after=0.4)
+    started = time.monotonic()
+    async with storage.Storage(retries=2) as reads:
+        with pytest.raises(FetchError):
+            await reads.read(faulty_server.url + "0001.bin")
+    assert time.monotonic() - started >= 0.8  # two waits of the 0.4 s the server asked for
+
+
+async def test_stalled_server_times_out_with_a_clear_error(faulty_server: TestServer) -> None:
+    faulty_server.set_faults(stall_rate=1.0, stall_seconds=30)
+    url = faulty_server.url + "0001.bin"
+    async with storage.Storage(retries=1, timeout=0.3) as reads:
+        with pytest.raises(FetchError, match="timed out"):
+            await reads.read(url)
+
+
+def test_unknown_scheme_is_refused_with_advice() -> None:
+    with pytest.raises(ValueError, match=r"unknown URL scheme 'ftp'.*http://"):
+        storage.check_url("ftp://example/x.bin")
