@@ -6,7 +6,6 @@ Needs Pillow and tqdm (`pip install 'aioloader[image,dev]'`).
 from __future__ import annotations
 
 import io
-import multiprocessing
 import os
 import time
 import urllib.request
@@ -19,7 +18,7 @@ import numpy.typing as npt
 from .datasets import Files
 from .loader import Loader
 from .testing import TestServer
-from .workers import start_method
+from .workers import process_context
 
 CLASSES = 10
 CROP = 224
@@ -120,7 +119,7 @@ def run_demo(
             fast = len(urls) / (time.perf_counter() - started)
 
         jobs = [(urls[i], labels[i], i) for i in range(min(baseline_images, len(urls)))]
-        context = multiprocessing.get_context(start_method())
+        context = process_context()
         with context.Pool(num_workers) as pool, tqdm(
             total=len(jobs), desc="one read per worker", unit="img"
         ) as progress:

@@ -175,6 +175,16 @@ def start_method() -> str:
     return "forkserver" if "forkserver" in methods and sys.platform == "linux" else "spawn"
 
 
+def process_context() -> multiprocessing.context.BaseContext:
+    """The start method's context; a forkserver preloads this module (and numpy) once, so each
+    decode process starts in milliseconds instead of re-importing them (about 0.25 s here).
+    The preload only takes effect if the forkserver is not running yet."""
+    context = multiprocessing.get_context(start_method())
+    if isinstance(context, multiprocessing.context.ForkServerContext):
+        context.set_forkserver_preload(["__main__", __name__])
+    return context
+
+
 class DecodePool:
     """Runs chunks in `num_workers` processes, or inline when num_workers is 0."""
 
@@ -189,7 +199,7 @@ class DecodePool:
         self.num_workers = num_workers
         self._executor: ProcessPoolExecutor | None = None
         if num_workers:
-            context = multiprocessing.get_context(start_method())
+            context = process_context()
             self._executor = ProcessPoolExecutor(
                 num_workers,
                 mp_context=context,
