@@ -1,16 +1,17 @@
-"""Baselines shared by the benchmarks; importable by DataLoader worker processes."""
+"""Pieces shared by the benchmarks; importable by DataLoader worker processes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
 import requests
-import torch.utils.data
+from tqdm import tqdm
 
 
-class RequestsDataset(torch.utils.data.Dataset[Any]):
-    """What a PyTorch user writes for remote data: one blocking GET per __getitem__."""
+class RequestsDataset:
+    """What a PyTorch user writes for remote data: a map-style dataset, one GET per item."""
 
     def __init__(self, urls: list[str], decode: Callable[[bytes], Any]) -> None:
         self.urls = urls
@@ -26,3 +27,17 @@ class RequestsDataset(torch.utils.data.Dataset[Any]):
         response = self._session.get(self.urls[index], timeout=30)
         response.raise_for_status()
         return self.decode(response.content)
+
+
+def samples_per_second(batches: Iterable[Sized], expected: int, description: str) -> float:
+    """Drain `batches` with a progress bar; check that `expected` samples came."""
+    seen = 0
+    with tqdm(total=expected, desc=description, leave=False) as progress:
+        started = time.perf_counter()
+        for batch in batches:
+            seen += len(batch)
+            progress.update(len(batch))
+        elapsed = time.perf_counter() - started
+    if seen != expected:
+        raise RuntimeError(f"{description}: got {seen} samples, expected {expected}")
+    return seen / elapsed

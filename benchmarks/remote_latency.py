@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import numpy.typing as npt
+from benchmarks_common import RequestsDataset, samples_per_second
 from tqdm import tqdm
 
 import aioloader
@@ -63,37 +64,19 @@ def aioloader_rates(urls: list[str], concurrency: int, num_workers: int) -> tupl
         aioloader.Files(urls), decode=trivial_decode, batch_size=BATCH,
         concurrency=concurrency, num_workers=num_workers,
     )
-    rates = []
     with loader:
-        for epoch in range(2):
-            seen = 0
-            with tqdm(total=len(urls), desc=f"aioloader epoch {epoch}", leave=False) as progress:
-                started = time.perf_counter()
-                for batch in loader:
-                    seen += len(batch)
-                    progress.update(len(batch))
-                elapsed = time.perf_counter() - started
-            assert seen == len(urls)
-            rates.append(seen / elapsed)
-    return rates[0], rates[1]
+        cold = samples_per_second(loader, len(urls), "aioloader epoch 1")
+        warm = samples_per_second(loader, len(urls), "aioloader epoch 2")
+    return cold, warm
 
 
 def torch_rate(urls: list[str], num_workers: int) -> float:
     """PyTorch's DataLoader over a map-style Dataset doing one `requests` GET per item."""
     import torch.utils.data
-    from benchmarks_common import RequestsDataset
 
     dataset = RequestsDataset(urls, trivial_decode)
     loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=num_workers)
-    seen = 0
-    with tqdm(total=len(urls), desc=f"DataLoader x{num_workers}", leave=False) as progress:
-        started = time.perf_counter()
-        for batch in loader:
-            seen += len(batch)
-            progress.update(len(batch))
-        elapsed = time.perf_counter() - started
-    assert seen == len(urls)
-    return seen / elapsed
+    return samples_per_second(loader, len(urls), f"DataLoader x{num_workers}")
 
 
 def main() -> None:

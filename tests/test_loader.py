@@ -213,9 +213,11 @@ async def test_async_break_mid_epoch_leaves_no_processes(urls: list[str]) -> Non
         gc.collect()
         await asyncio.sleep(0.05)
         now = snapshot()
-        if now.processes <= before.processes and now.sockets <= before.sockets:
+        clean = now.processes <= before.processes and now.threads <= before.threads
+        if clean and now.sockets <= before.sockets:
             break
-    assert now.processes <= before.processes and now.sockets <= before.sockets
+    assert now.processes <= before.processes and now.threads <= before.threads
+    assert now.sockets <= before.sockets
 
 
 async def _aenumerate(loader: aioloader.Loader):  # type: ignore[no-untyped-def]
@@ -285,3 +287,24 @@ def test_ranks_take_disjoint_shares_that_cover_the_epoch(local_paths: list[str])
     covered = set().union(*shares)
     assert covered == set(range(SAMPLE_COUNT))
     assert sum(map(len, shares)) - len(covered) == 3 - SAMPLE_COUNT % 3  # padding wraps around
+
+
+class LoopSpy(aioloader.Dataset):
+    """Records which event loop class runs fetch."""
+
+    def __init__(self) -> None:
+        self.loops: set[str] = set()
+
+    def __len__(self) -> int:
+        return 4
+
+    async def fetch(self, index: int) -> int:
+        self.loops.add(type(asyncio.get_running_loop()).__module__)
+        return index
+
+
+def test_plain_for_runs_uvloop_when_installed() -> None:
+    pytest.importorskip("uvloop")
+    dataset = LoopSpy()
+    assert list(aioloader.Loader(dataset, batch_size=2, num_workers=0))[1].tolist() == [2, 3]
+    assert dataset.loops == {"uvloop"}
