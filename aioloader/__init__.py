@@ -6,9 +6,10 @@ for `async for`, plain `for` and PyTorch.
 
 from . import storage
 from .collate import default_collate
-from .datasets import Dataset, Files
+from .datasets import Dataset, Files, RecordIO, Stream, TarShards
 from .errors import FetchError, LoaderError, SampleError, WorkerDiedError
 from .loader import Loader
+from .sampling import ShardInfo, get_shard_info
 from .stats import LoaderStats
 from .workers import WorkerInfo, get_worker_info
 
@@ -21,10 +22,15 @@ __all__ = [
     "Loader",
     "LoaderError",
     "LoaderStats",
+    "RecordIO",
     "SampleError",
+    "ShardInfo",
+    "Stream",
+    "TarShards",
     "WorkerDiedError",
     "WorkerInfo",
     "default_collate",
+    "get_shard_info",
     "get_worker_info",
     "storage",
 ]

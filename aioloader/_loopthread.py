@@ -59,3 +59,13 @@ class LoopThread:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(STOP_SECONDS)
+
+
+def run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run `coroutine` on a loop of its own in a helper thread and return its result.
+
+    Works from plain code and from inside a running loop alike (which it blocks meanwhile):
+    datasets use it to load their metadata at construction, so `len()` works at once.
+    """
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="aioloader-setup") as pool:
+        return pool.submit(asyncio.run, coroutine).result()

@@ -10,11 +10,13 @@ same run on a loop in a background thread.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import traceback
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -23,9 +25,15 @@ import numpy as np
 
 from ._loopthread import LoopThread
 from .collate import default_collate
-from .datasets import Dataset
+from .datasets import Dataset, Stream
 from .errors import LoaderError, SampleError
-from .sampling import EpochPlan, Indices, default_rank_and_world_size, epoch_order
+from .sampling import (
+    EpochPlan,
+    ShardInfo,
+    _shard_info,
+    default_rank_and_world_size,
+    epoch_order,
+)
 from .stats import LoaderStats
 from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
 from .workers import Chunk, ChunkResult, DecodePool, DecodeSpec, check_picklable
@@ -48,7 +56,7 @@ class Loader:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset | Stream,
         decode: Callable[..., Any] | None = None,
         batch_size: int | None = 64,
         shuffle: bool = False,
@@ -67,9 +75,12 @@ class Loader:
         retries: int = DEFAULT_RETRIES,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
-        if not (hasattr(dataset, "fetch") and hasattr(dataset, "__len__")):
+        if not isinstance(dataset, Stream) and not (
+            hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
+        ):
             raise TypeError(
-                f"dataset must have __len__ and async fetch(index), got {type(dataset).__name__}"
+                "dataset must be an aioloader.Dataset (__len__ and async fetch(index)) or an "
+                f"aioloader.Stream (async __aiter__), got {type(dataset).__name__}"
             )
         _check_count("batch_size", batch_size, minimum=1, allow_none=True)
         _check_count("concurrency", concurrency, minimum=1)
@@ -133,10 +144,15 @@ class Loader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """The next iteration continues the saved epoch at the saved global position."""
+        if isinstance(self.dataset, Stream):
+            raise LoaderError("resuming a Stream mid-epoch is not supported yet")
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._resume_at = self._position
 
-    def _plan(self, start: int) -> EpochPlan:
+    def _plan(self, start: int) -> EpochPlan | None:
+        """The epoch's steps for map-style data; None for a stream, which orders itself."""
+        if isinstance(self.dataset, Stream):
+            return None
         order = epoch_order(len(self.dataset), self.shuffle, self.seed, self._epoch)
         return EpochPlan(
             order, self.batch_size or 1, self.rank, self.world_size, self.drop_last, start
@@ -144,7 +160,14 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (samples when batch_size is None)."""
-        return len(self._plan(0))
+        plan = self._plan(0)
+        if plan is not None:
+            return len(plan)
+        if not hasattr(self.dataset, "__len__"):
+            raise TypeError("this Loader reads a Stream without __len__: its length is unknown")
+        step = self.batch_size or 1
+        items = len(self.dataset)
+        return items // step if self.drop_last else -(-items // step)
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -241,26 +264,44 @@ class _PoolHolder:
             pool.close()
 
 
+@dataclass
+class _Job:
+    """The samples of one chunk: which steps they fill, their indices, and their raw items
+    (fetched by the chunk task for map-style data; already read for a stream)."""
+
+    steps: range
+    indices: list[int]
+    raws: list[Any] | None = None
+    keys: list[str] | None = None
+
+
 class _EpochRun:
     """One pass over (the rest of) an epoch inside one event loop."""
 
-    def __init__(self, loader: Loader, plan: EpochPlan, pool: DecodePool) -> None:
+    def __init__(self, loader: Loader, plan: EpochPlan | None, pool: DecodePool) -> None:
         self._loader = loader
         self._epoch = loader.epoch
         self._plan = plan
         self.pool = pool
         self.finished = False
-        steps_per_chunk = 1 if loader.batch_size else UNBATCHED_CHUNK
-        self._chunk_starts = range(0, len(plan), steps_per_chunk)
-        self._steps_per_chunk = steps_per_chunk
-        chunk_samples = (loader.batch_size or 1) * steps_per_chunk
+        self._step_size = loader.batch_size or 1
+        self._steps_per_chunk = 1 if loader.batch_size else UNBATCHED_CHUNK
+        chunk_samples = self._step_size * self._steps_per_chunk
         self._window = -(-loader.concurrency // chunk_samples) + loader.num_workers + 1
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=loader.prefetch)
         self._fetch_slots = asyncio.Semaphore(loader.concurrency)
         self._storage = Storage(loader.concurrency, loader.retries, loader.timeout, loader.stats)
         self._delivered = _Progress()
-        with self._storage.as_current():
-            self._producer = asyncio.create_task(self._produce(), name="aioloader-producer")
+        info = ShardInfo(loader.rank, loader.world_size, self._epoch, loader.seed, loader.shuffle)
+
+        def start_producer() -> asyncio.Task[None]:
+            """In a copied context: the producer and its tasks see this run's storage and
+            shard info, the caller's context is left alone."""
+            _shard_info.set(info)
+            with self._storage.as_current():
+                return asyncio.create_task(self._produce(), name="aioloader-producer")
+
+        self._producer = contextvars.copy_context().run(start_producer)
 
     async def next(self) -> Any:
         """The next batch, or _END; raises the first failure of the run."""
@@ -272,7 +313,12 @@ class _EpochRun:
             if isinstance(entry, _Failure):
                 raise entry.error
             step, item = entry
-            self._loader._position = self._plan.global_position(self._delivered.add(step))
+            steps_done = self._delivered.add(step)
+            self._loader._position = (
+                steps_done * self._step_size
+                if self._plan is None
+                else self._plan.global_position(steps_done)
+            )
             if item is not _EMPTY:
                 self._loader.stats.batches += 1
                 return item
@@ -291,11 +337,11 @@ class _EpochRun:
     async def _produce(self) -> None:
         in_flight: deque[asyncio.Task[list[tuple[int, Any]]]] = deque()
         try:
-            for first_step in self._chunk_starts:
+            jobs = self._planned_jobs() if self._plan is not None else self._stream_jobs()
+            async for job in jobs:
                 while len(in_flight) >= self._window:
                     await self._deliver_one(in_flight)
-                steps = range(first_step, min(first_step + self._steps_per_chunk, len(self._plan)))
-                in_flight.append(asyncio.create_task(self._make_chunk(steps)))
+                in_flight.append(asyncio.create_task(self._complete(job)))
             while in_flight:
                 await self._deliver_one(in_flight)
             await self._queue.put(_END)
@@ -307,6 +353,39 @@ class _EpochRun:
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _planned_jobs(self) -> AsyncIterator[_Job]:
+        plan = self._plan
+        assert plan is not None
+        for first in range(0, len(plan), self._steps_per_chunk):
+            steps = range(first, min(first + self._steps_per_chunk, len(plan)))
+            yield _Job(steps, [int(i) for k in steps for i in plan.step(k)])
+
+    async def _stream_jobs(self) -> AsyncIterator[_Job]:
+        """Group a stream's items into chunks; item n of this rank gets the rng index
+        n * world_size + rank, distinct across ranks."""
+        stream = self._loader.dataset
+        assert isinstance(stream, Stream)
+        rank, world_size = self._loader.rank, self._loader.world_size
+        chunk_size = self._step_size * self._steps_per_chunk
+        first_step, count = 0, 0
+        job = _Job(range(0), [], [], [])
+        async with aclosing(_aiter(stream)) as items:
+            async for item in items:
+                assert job.raws is not None and job.keys is not None
+                job.indices.append(count * world_size + rank)
+                job.raws.append(item)
+                job.keys.append(stream.key(item, count))
+                count += 1
+                if len(job.raws) == chunk_size:
+                    job.steps = range(first_step, first_step + self._steps_per_chunk)
+                    first_step += self._steps_per_chunk
+                    yield job
+                    job = _Job(range(0), [], [], [])
+        assert job.raws is not None
+        if job.raws and not (self._loader.drop_last and self._loader.batch_size):
+            job.steps = range(first_step, first_step + -(-len(job.raws) // self._step_size))
+            yield job
 
     async def _deliver_one(self, in_flight: deque[asyncio.Task[list[tuple[int, Any]]]]) -> None:
         """Hand over the oldest chunk (ordered) or whichever finishes first."""
@@ -320,41 +399,47 @@ class _EpochRun:
         for entry in task.result():
             await self._queue.put(entry)
 
-    async def _make_chunk(self, steps: range) -> list[tuple[int, Any]]:
-        """Fetch, decode and collate the samples of `steps`; one (step, item) per step."""
-        per_step = [self._plan.step(k) for k in steps]
-        indices: Indices = np.concatenate(per_step) if per_step else np.empty(0, np.int64)
-        raws = await asyncio.gather(*(self._fetch(int(i)) for i in indices), return_exceptions=True)
-        for raw in raws:
-            if isinstance(raw, BaseException):
-                raise raw
+    async def _complete(self, job: _Job) -> list[tuple[int, Any]]:
+        """Fetch (if needed), decode and collate a job's samples; one (step, item) per step."""
+        raws = job.raws
+        if raws is None:
+            fetched = await asyncio.gather(
+                *(self._fetch(i) for i in job.indices), return_exceptions=True
+            )
+            for raw in fetched:
+                if isinstance(raw, BaseException):
+                    raise raw
+            raws = fetched
         kept = [n for n, raw in enumerate(raws) if raw is not _SKIPPED]
-        chunk = Chunk(self._epoch, [int(indices[n]) for n in kept], [raws[n] for n in kept])
+        chunk = Chunk(self._epoch, [job.indices[n] for n in kept], [raws[n] for n in kept])
         result = await self.pool.run(chunk)
-        self._account(chunk, result)
+        self._account(chunk, result, lambda position: self._job_key(job, kept[position]))
         if self._loader.batch_size:
-            return [(steps[0], result.items[0] if result.items else _EMPTY)]
+            return [(job.steps[0], result.items[0] if result.items else _EMPTY)]
         decoded = iter(result.items)
         skipped = {kept[position] for position, _ in result.skipped}
         skipped.update(n for n, raw in enumerate(raws) if raw is _SKIPPED)
-        return [(k, _EMPTY if n in skipped else next(decoded)) for n, k in enumerate(steps)]
+        return [(k, _EMPTY if n in skipped else next(decoded)) for n, k in enumerate(job.steps)]
 
-    def _account(self, chunk: Chunk, result: ChunkResult) -> None:
+    def _account(self, chunk: Chunk, result: ChunkResult, key: Callable[[int], str]) -> None:
         stats = self._loader.stats
         for position, text in result.skipped:
-            index = chunk.indices[position]
-            stats.record_skip(str(SampleError(index, self._key(index), "decode", text)))
+            error = SampleError(chunk.indices[position], key(position), "decode", text)
+            stats.record_skip(str(error))
         if result.failure is not None:
             failed, text = result.failure
             if failed is None:
                 raise LoaderError(f"collate failed for samples {chunk.indices}:\n{text}")
-            raise SampleError(failed, self._key(failed), "decode", text)
+            position = chunk.indices.index(failed)
+            raise SampleError(failed, key(position), "decode", text)
         stats.samples += len(chunk.indices) - len(result.skipped)
 
     async def _fetch(self, index: int) -> Any:
+        dataset = self._loader.dataset
+        assert not isinstance(dataset, Stream)
         async with self._fetch_slots:
             try:
-                return await self._loader.dataset.fetch(index)
+                return await dataset.fetch(index)
             except Exception as e:
                 error = SampleError(index, self._key(index), "fetch", traceback.format_exc())
                 if self._loader.on_error == "raise":
@@ -362,11 +447,21 @@ class _EpochRun:
                 self._loader.stats.record_skip(str(error))
                 return _SKIPPED
 
+    def _job_key(self, job: _Job, n: int) -> str:
+        return job.keys[n] if job.keys is not None else self._key(job.indices[n])
+
     def _key(self, index: int) -> str:
+        """Map-style data only: a stream's keys travel with its jobs."""
         try:
-            return self._loader.dataset.key(index)
+            return self._loader.dataset.key(index)  # type: ignore[call-arg]
         except Exception:
             return str(index)
+
+
+async def _aiter(stream: Stream) -> AsyncGenerator[Any, None]:
+    """A stream's items as an async generator, so that it can be closed early."""
+    async for item in stream:
+        yield item
 
 
 class _Progress:

@@ -7,8 +7,10 @@ r-th share. A position in the global order therefore resumes any rank, at any wo
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -76,3 +78,31 @@ def default_rank_and_world_size() -> tuple[int, int]:
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank()), int(dist.get_world_size())
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a stream needs to read its share of an epoch."""
+
+    rank: int
+    world_size: int
+    epoch: int
+    seed: int
+    shuffle: bool
+
+
+_shard_info: contextvars.ContextVar[ShardInfo | None] = contextvars.ContextVar(
+    "aioloader_shard_info", default=None
+)
+
+
+def get_shard_info() -> ShardInfo:
+    """Inside a stream's iteration: this rank, the world size, the epoch, the seed, shuffle.
+
+    Outside a loader: rank 0 of 1 (or RANK / WORLD_SIZE), epoch 0, seed 0, no shuffle.
+    """
+    info = _shard_info.get()
+    if info is None:
+        rank, world_size = default_rank_and_world_size()
+        return ShardInfo(rank, world_size, 0, 0, False)
+    return info

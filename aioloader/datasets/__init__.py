@@ -1,6 +1,8 @@
 """What a sample is and where its bytes lie."""
 
-from .base import Dataset
+from .base import Dataset, Stream
 from .files import Files
+from .recordio import RecordIO
+from .tarshards import TarShards
 
-__all__ = ["Dataset", "Files"]
+__all__ = ["Dataset", "Files", "RecordIO", "Stream", "TarShards"]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextvars
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from types import TracebackType
 from urllib.parse import unquote, urlsplit
 
 from ..stats import LoaderStats
+from .coalesce import RangeCoalescer
 from .http import HttpStore
 from .local import LocalStore
 from .retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "RetryPolicy",
     "Storage",
+    "borrowed",
     "check_url",
     "read",
     "read_range",
@@ -69,15 +71,35 @@ class Storage:
         self.stats = stats if stats is not None else LoaderStats()
         self._local = LocalStore(max_threads=min(32, concurrency))
         self._http = HttpStore(concurrency, RetryPolicy(retries, timeout), self.stats)
+        self._coalescer = RangeCoalescer(self._read)
 
     async def read(self, url: str) -> bytes:
         return await self._read(url, None, None)
 
     async def read_range(self, url: str, start: int, end: int) -> bytes:
-        """Bytes `start` up to, not including, `end`."""
+        """Bytes `start` up to, not including, `end`; neighbouring ranges read together."""
         if not 0 <= start <= end:
             raise ValueError(f"bad byte range {start}..{end} for {url}")
-        return await self._read(url, start, end)
+        return await self._coalescer.read(url, start, end)
+
+    async def size(self, url: str) -> int:
+        """The object's size in bytes (a stat, or an HTTP HEAD)."""
+        path = local_path(url)
+        return await (self._http.size(url) if path is None else self._local.size(path))
+
+    async def stream(
+        self, url: str, start: int = 0, end: int | None = None, chunk_size: int = 1 << 20
+    ) -> AsyncGenerator[bytes, None]:
+        """The bytes from `start` to `end` (or the end) in chunks, without holding them all."""
+        path = local_path(url)
+        chunks = (
+            self._http.stream(url, start, end, chunk_size)
+            if path is None
+            else self._local.stream(path, start, end, chunk_size)
+        )
+        async for chunk in chunks:
+            self.stats.bytes_read += len(chunk)
+            yield chunk
 
     async def _read(self, url: str, start: int | None, end: int | None) -> bytes:
         path = local_path(url)
@@ -100,6 +122,7 @@ class Storage:
 
     async def aclose(self) -> None:
         try:
+            await self._coalescer.aclose()
             await self._http.aclose()
         finally:
             self._local.close()
@@ -113,19 +136,25 @@ class Storage:
         await self.aclose()
 
 
-async def read(url: str) -> bytes:
-    """All bytes at `url`, through the running loader's storage when there is one."""
+@asynccontextmanager
+async def borrowed() -> AsyncIterator[Storage]:
+    """The running loader's storage in this context, or a short-lived one of our own."""
     storage = _current.get()
     if storage is not None:
-        return await storage.read(url)
-    async with Storage(concurrency=1) as storage:
+        yield storage
+        return
+    async with Storage(concurrency=8) as own:
+        with own.as_current():
+            yield own
+
+
+async def read(url: str) -> bytes:
+    """All bytes at `url`, through the running loader's storage when there is one."""
+    async with borrowed() as storage:
         return await storage.read(url)
 
 
 async def read_range(url: str, start: int, end: int) -> bytes:
     """Bytes `start` up to, not including, `end` at `url`."""
-    storage = _current.get()
-    if storage is not None:
-        return await storage.read_range(url, start, end)
-    async with Storage(concurrency=1) as storage:
+    async with borrowed() as storage:
         return await storage.read_range(url, start, end)

@@ -3,12 +3,50 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 
 import aiohttp
 
 from ..errors import FetchError
 from ..stats import LoaderStats
 from .retry import RetryPolicy, parse_retry_after
+
+
+class _RetryableStatus(Exception):
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.status = response.status
+        self.reason = response.reason or ""
+        self.delay = parse_retry_after(response.headers.get("Retry-After"))
+
+
+RETRYABLE = (_RetryableStatus, aiohttp.ClientError, asyncio.TimeoutError)
+
+
+class _Attempts:
+    """The retry budget of one read: counts failures, waits with backoff, gives up with an error
+    that names the URL and the last status."""
+
+    def __init__(self, url: str, policy: RetryPolicy, stats: LoaderStats) -> None:
+        self._url = url
+        self._policy = policy
+        self._stats = stats
+        self._failures = 0
+
+    def reset(self) -> None:
+        self._failures = 0
+
+    async def failed(self, error: BaseException) -> None:
+        status = error.status if isinstance(error, _RetryableStatus) else None
+        if isinstance(error, _RetryableStatus):
+            problem, delay = error.reason, error.delay
+        else:
+            problem, delay = describe(error), None
+        if self._failures >= self._policy.retries:
+            attempts = self._policy.retries + 1
+            raise FetchError(self._url, f"{problem}; gave up after {attempts} attempts", status)
+        await asyncio.sleep(self._policy.backoff(self._failures) if delay is None else delay)
+        self._failures += 1
+        self._stats.retries += 1
 
 
 def is_retryable(status: int) -> bool:
@@ -19,6 +57,21 @@ def describe(error: BaseException) -> str:
     if isinstance(error, asyncio.TimeoutError):
         return "timed out"
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def check_status(url: str, response: aiohttp.ClientResponse) -> None:
+    """Return for 200/206; raise _RetryableStatus for faults worth retrying, FetchError else."""
+    if response.status in (200, 206):
+        return
+    if is_retryable(response.status):
+        raise _RetryableStatus(response)
+    raise FetchError(url, response.reason or "", response.status)
+
+
+def range_header(start: int | None, end: int | None) -> dict[str, str]:
+    if start is None:
+        return {}
+    return {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
 
 
 class HttpStore:
@@ -42,39 +95,73 @@ class HttpStore:
         return self._session
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
-        headers = {} if start is None else {"Range": f"bytes={start}-{_last_byte(start, end)}"}
         session = self._get_session()
-        policy = self._policy
-        last_problem, last_status = "", None
-        for attempt in range(policy.retries + 1):
-            if attempt:
-                self._stats.retries += 1
+        attempts = _Attempts(url, self._policy, self._stats)
+        while True:
             try:
-                async with session.get(url, headers=headers) as response:
+                async with session.get(url, headers=range_header(start, end)) as response:
                     self._stats.requests += 1
-                    if response.status in (200, 206):
-                        body = await response.read()
-                        return _cut_to_range(url, body, response.status, start, end)
-                    if not is_retryable(response.status):
-                        raise FetchError(url, response.reason or "", response.status)
-                    last_problem, last_status = response.reason or "", response.status
-                    delay = parse_retry_after(response.headers.get("Retry-After"))
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                last_problem, last_status, delay = describe(e), None, None
-            if attempt < policy.retries:
-                await asyncio.sleep(policy.backoff(attempt) if delay is None else delay)
-        raise FetchError(
-            url, f"{last_problem}; gave up after {policy.retries + 1} attempts", last_status
+                    check_status(url, response)
+                    body = await response.read()
+                    return _cut_to_range(url, body, response.status, start, end)
+            except RETRYABLE as e:
+                await attempts.failed(e)
+
+    async def size(self, url: str) -> int:
+        session = self._get_session()
+        attempts = _Attempts(url, self._policy, self._stats)
+        while True:
+            try:
+                async with session.head(url, allow_redirects=True) as response:
+                    self._stats.requests += 1
+                    check_status(url, response)
+                    if response.content_length is None:
+                        raise FetchError(url, "the server sent no Content-Length for HEAD")
+                    return response.content_length
+            except RETRYABLE as e:
+                await attempts.failed(e)
+
+    async def stream(
+        self, url: str, start: int, end: int | None, chunk_size: int
+    ) -> AsyncGenerator[bytes, None]:
+        """Chunks of bytes start..end; a broken connection resumes where it stopped, and the
+        retry budget counts failures in a row, so a long stream survives many blips."""
+        session = self._get_session()
+        attempts = _Attempts(url, self._policy, self._stats)
+        # a stream may run for minutes: bound each wait for data, not the whole response
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self._policy.timeout, sock_read=self._policy.timeout
         )
+        position = start
+        while end is None or position < end:
+            try:
+                ranged = end is not None or position > 0
+                headers = range_header(position if ranged else None, end)
+                async with session.get(url, headers=headers, timeout=timeout) as response:
+                    self._stats.requests += 1
+                    check_status(url, response)
+                    skip = position if response.status == 200 else 0  # server ignored Range
+                    async for chunk in response.content.iter_chunked(chunk_size):
+                        if skip:
+                            chunk, skip = chunk[skip:], max(0, skip - len(chunk))
+                        if end is not None:
+                            chunk = chunk[: end - position]
+                        if chunk:
+                            position += len(chunk)
+                            attempts.reset()
+                            yield chunk
+                        if end is not None and position >= end:
+                            return
+                if end is None:
+                    return
+                raise aiohttp.ClientPayloadError(f"body ended at byte {position} of {end}")
+            except RETRYABLE as e:
+                await attempts.failed(e)
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def _last_byte(start: int, end: int | None) -> str:
-    return "" if end is None else str(end - 1)
 
 
 def _cut_to_range(url: str, body: bytes, status: int, start: int | None, end: int | None) -> bytes:

@@ -1,0 +1,172 @@
+"""MXNet RecordIO files as a map-style dataset, local or over HTTP, split as dmlc splits them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import storage
+from .._loopthread import run_sync
+from ..recordio import FIRST, HEADER, MAGIC, MAX_LENGTH, WHOLE, RecordIOError, decode, read_index
+from .base import Dataset
+from .keys import KeyTable
+
+
+@dataclass
+class _FileRecords:
+    starts: list[int]
+    ends: list[int]
+    keys: list[str]
+
+
+class RecordIO(Dataset):
+    """The records of one or several `.rec` files; `fetch(i)` gives record i's payload.
+
+    With `.idx` files each fetch is one ranged read, and reads of consecutive records in one
+    batch are merged; without, each file is scanned once at construction. `num_parts` and
+    `part_index` keep the records whose first byte lies in this part's share of all files'
+    bytes, as dmlc's InputSplit does: parts of near-equal bytes, whatever the number of files.
+    """
+
+    def __init__(
+        self,
+        rec_urls: str | Sequence[str],
+        idx_urls: str | Sequence[str] | None = None,
+        num_parts: int = 1,
+        part_index: int = 0,
+    ) -> None:
+        recs = _as_list(rec_urls)
+        idxs = None if idx_urls is None else _as_list(idx_urls)
+        if not recs:
+            raise ValueError("RecordIO needs at least one .rec file")
+        if idxs is not None and len(idxs) != len(recs):
+            raise ValueError(
+                f"got {len(idxs)} .idx files for {len(recs)} .rec files; give one each"
+            )
+        if not 0 <= part_index < num_parts:
+            raise ValueError(f"part_index must be in 0..{num_parts - 1}, got {part_index}")
+        for url in recs + (idxs or []):
+            storage.check_url(url)
+        self.urls = recs
+        per_file = run_sync(_load(recs, idxs, num_parts, part_index))
+        self._file: npt.NDArray[np.int32] = np.concatenate(
+            [np.full(len(f.starts), n, np.int32) for n, f in enumerate(per_file)]
+        )
+        self._start = np.array([s for f in per_file for s in f.starts], dtype=np.int64)
+        self._end = np.array([e for f in per_file for e in f.ends], dtype=np.int64)
+        self._keys = KeyTable(k for f in per_file for k in f.keys)
+
+    def __len__(self) -> int:
+        return len(self._start)
+
+    def key(self, index: int) -> str:
+        return f"{self.urls[self._file[index]]}#{self._keys[index]}"
+
+    async def fetch(self, index: int) -> bytes:
+        url = self.urls[self._file[index]]
+        start, end = int(self._start[index]), int(self._end[index])
+        async with storage.borrowed() as reads:
+            data = await reads.read_range(url, start, end)
+        payload, _ = decode(data, url, start)
+        return payload
+
+
+def _as_list(urls: str | Sequence[str]) -> list[str]:
+    return [urls] if isinstance(urls, str) else list(urls)
+
+
+async def _load(
+    recs: list[str], idxs: list[str] | None, num_parts: int, part_index: int
+) -> list[_FileRecords]:
+    async with storage.borrowed() as reads:
+        sizes = await asyncio.gather(*(reads.size(url) for url in recs))
+        first_bytes = np.cumsum([0, *sizes])
+        total = int(first_bytes[-1])
+        step = -(-total // num_parts)
+        step += -step % 4  # dmlc aligns the split step to 4 bytes
+        low, high = min(step * part_index, total), min(step * (part_index + 1), total)
+        jobs = []
+        for n, (url, size) in enumerate(zip(recs, sizes, strict=True)):
+            local_low = max(low - int(first_bytes[n]), 0)
+            local_high = min(high - int(first_bytes[n]), size)
+            if local_low >= local_high:
+                jobs.append(_nothing())
+            elif idxs is not None:
+                jobs.append(_from_index(reads, url, idxs[n], size, local_low, local_high))
+            else:
+                jobs.append(_by_scanning(reads, url, size, local_low, local_high))
+        return list(await asyncio.gather(*jobs))
+
+
+async def _nothing() -> _FileRecords:
+    return _FileRecords([], [], [])
+
+
+async def _from_index(
+    reads: storage.Storage, url: str, idx_url: str, size: int, low: int, high: int
+) -> _FileRecords:
+    keys, offsets = read_index((await reads.read(idx_url)).decode("utf-8"), idx_url)
+    order = sorted(range(len(offsets)), key=offsets.__getitem__)
+    bounds = [offsets[i] for i in order] + [size]
+    records = _FileRecords([], [], [])
+    for rank, i in enumerate(order):
+        if not 0 <= offsets[i] < size:
+            raise RecordIOError(
+                f"{idx_url}: key {keys[i]} points to offset {offsets[i]}, outside {url} "
+                f"({size} bytes)"
+            )
+        if low <= offsets[i] < high:
+            records.starts.append(offsets[i])
+            records.ends.append(bounds[rank + 1])
+            records.keys.append(keys[i])
+    return records
+
+
+async def _by_scanning(
+    reads: storage.Storage, url: str, size: int, low: int, high: int
+) -> _FileRecords:
+    """Walk the record headers from `low`, resynchronising on the first record start when
+    `low` falls inside a record; keep the records that start before `high`."""
+    starts: list[int] = []
+    position = low + -low % 4  # file offset of the next header to look at
+    synced = low == 0  # a file must begin with a record; a split point may not
+    buffer, base = bytearray(), position
+    async with aclosing(reads.stream(url, position)) as chunks:
+        async for chunk in chunks:
+            buffer += chunk
+            while (at := position - base) + HEADER.size <= len(buffer):
+                magic, lrec = HEADER.unpack_from(buffer, at)
+                begins = magic == MAGIC and lrec >> 29 in (WHOLE, FIRST)
+                if not synced and not begins:
+                    position += 4
+                    continue
+                if magic != MAGIC:
+                    raise RecordIOError(
+                        f"{url}: bad magic at offset {position}: expected 0x{MAGIC:08x}, "
+                        f"found 0x{magic:08x}"
+                    )
+                synced = True
+                if begins:
+                    if position >= high:
+                        return _scanned(url, starts, position, size)
+                    starts.append(position)
+                length = lrec & MAX_LENGTH
+                position += HEADER.size + length + -length % 4
+            consumed = min(position - base, len(buffer))
+            del buffer[:consumed]
+            base += consumed
+    return _scanned(url, starts, position, size)
+
+
+def _scanned(url: str, starts: list[int], end: int, size: int) -> _FileRecords:
+    if starts and end > size:
+        raise RecordIOError(
+            f"{url}: truncated record at offset {starts[-1]}: it runs to byte {end}, "
+            f"the file has {size}"
+        )
+    return _FileRecords(starts, [*starts[1:], min(end, size)], [f"@{s}" for s in starts])

@@ -1,0 +1,142 @@
+"""WebDataset tar shards as a stream: shards read in order, a few ahead, never whole in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
+from typing import Any
+
+import numpy as np
+
+from .. import storage
+from ..sampling import get_shard_info
+from ..tario import samples, tar_members
+from .base import Stream
+
+_DONE = object()
+_SHARD_ORDER_STREAM, _BUFFER_STREAM = 3, 4
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`train-{000..002}.tar` -> three names (zero padding kept); `{a,b}` -> two."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    numbers = re.fullmatch(r"(\d+)\.\.(\d+)", match.group(1))
+    if numbers:
+        first, last = numbers.groups()
+        options = [f"{i:0{len(first)}d}" for i in range(int(first), int(last) + 1)]
+    else:
+        options = match.group(1).split(",")
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [name for option in options for name in expand_braces(head + option + tail)]
+
+
+class TarShards(Stream):
+    """Samples of WebDataset tar shards (local paths or http(s):// URLs, brace patterns).
+
+    Each sample is a dict: `__key__`, `__url__` and one bytes value per file extension. With
+    the Loader's `shuffle=True`, shard order is shuffled per epoch with the seed and samples
+    pass through a shuffle buffer of `shuffle_buffer` samples. Ranks take every
+    `world_size`-th shard of the epoch's order, so no sample reaches two ranks.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        shuffle_buffer: int = 1000,
+        shards_ahead: int = 2,
+        samples_ahead: int = 64,
+    ) -> None:
+        patterns = [urls] if isinstance(urls, str) else list(urls)
+        self.urls = [storage.check_url(u) for p in patterns for u in expand_braces(p)]
+        if not self.urls:
+            raise ValueError("TarShards needs at least one shard")
+        if shuffle_buffer < 0 or shards_ahead < 1 or samples_ahead < 1:
+            raise ValueError("shuffle_buffer must be >= 0, shards_ahead and samples_ahead >= 1")
+        self.shuffle_buffer = shuffle_buffer
+        self.shards_ahead = shards_ahead
+        self.samples_ahead = samples_ahead
+
+    def shards_for_this_rank(self) -> list[str]:
+        info = get_shard_info()
+        order = np.arange(len(self.urls))
+        if info.shuffle:
+            sequence = np.random.SeedSequence(
+                [info.seed, info.epoch], spawn_key=(_SHARD_ORDER_STREAM,)
+            )
+            order = np.random.default_rng(sequence).permutation(len(self.urls))
+        return [self.urls[i] for i in order[info.rank :: info.world_size]]
+
+    async def __aiter__(self) -> AsyncGenerator[dict[str, Any], None]:
+        info = get_shard_info()
+        items = self._read_in_order(self.shards_for_this_rank())
+        if info.shuffle and self.shuffle_buffer > 1:
+            sequence = np.random.SeedSequence(
+                [info.seed, info.epoch], spawn_key=(_BUFFER_STREAM, info.rank)
+            )
+            items = _shuffled(items, self.shuffle_buffer, np.random.default_rng(sequence))
+        async with aclosing(items):
+            async for item in items:
+                yield item
+
+    async def _read_in_order(self, urls: list[str]) -> AsyncGenerator[dict[str, Any], None]:
+        """Shards in order, up to `shards_ahead` of them downloading at once."""
+        pending = iter(urls)
+        reading: deque[tuple[asyncio.Queue[Any], asyncio.Task[None]]] = deque()
+        async with storage.borrowed() as reads:
+
+            def start_next() -> None:
+                url = next(pending, None)
+                if url is not None:
+                    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.samples_ahead)
+                    reading.append((queue, asyncio.create_task(_fill(reads, url, queue))))
+
+            try:
+                for _ in range(self.shards_ahead):
+                    start_next()
+                while reading:
+                    queue, _ = reading[0]
+                    while (item := await queue.get()) is not _DONE:
+                        if isinstance(item, BaseException):
+                            raise item
+                        yield item
+                    reading.popleft()
+                    start_next()
+            finally:
+                for _, task in reading:
+                    task.cancel()
+                await asyncio.gather(*(task for _, task in reading), return_exceptions=True)
+
+
+async def _fill(reads: storage.Storage, url: str, queue: asyncio.Queue[Any]) -> None:
+    try:
+        async with aclosing(reads.stream(url)) as chunks, aclosing(
+            tar_members(chunks, url)
+        ) as members, aclosing(samples(members, url)) as grouped:
+            async for sample in grouped:
+                await queue.put(sample)
+    except Exception as e:
+        await queue.put(e)
+    else:
+        await queue.put(_DONE)
+
+
+async def _shuffled(
+    items: AsyncGenerator[dict[str, Any], None], size: int, rng: np.random.Generator
+) -> AsyncGenerator[dict[str, Any], None]:
+    buffer: list[dict[str, Any]] = []
+    async with aclosing(items):
+        async for item in items:
+            if len(buffer) < size:
+                buffer.append(item)
+                continue
+            slot = int(rng.integers(size))
+            yield buffer[slot]
+            buffer[slot] = item
+    rng.shuffle(buffer)
+    for item in buffer:
+        yield item
