@@ -1,8 +1,9 @@
-"""A real HTTP server over a directory, with injectable latency and faults.
+"""Real HTTP servers for tests, the demo and benchmarks: the project's own, over a directory,
+with injectable latency and faults; and nginx, for plain static files.
 
-Tests, the demo and the benchmarks start it in its own process on 127.0.0.1 with a free port
-(`TestServer`), or from the command line (`aioloader serve DIR --latency-ms 20`). Faults can be
-changed while it runs (POST /_control) and its counters read (GET /_stats).
+`TestServer` starts the project's server in its own process on 127.0.0.1 with a free port (also
+`aioloader serve DIR --latency-ms 20` from a shell); faults can be changed while it runs
+(POST /_control) and its counters read (GET /_stats). `Nginx` starts nginx the same way.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import os
 import random
 import re
 import selectors
+import shutil
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass
@@ -223,3 +227,85 @@ def _readline_with_timeout(process: subprocess.Popen[str], timeout: float) -> st
         if not selector.select(timeout):
             return ""
     return process.stdout.readline()
+
+
+NGINX_CONFIG = """
+{user}
+daemon off;
+worker_processes 1;
+pid {state}/nginx.pid;
+error_log {state}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {state}/body;
+    proxy_temp_path {state}/proxy;
+    fastcgi_temp_path {state}/fastcgi;
+    uwsgi_temp_path {state}/uwsgi;
+    scgi_temp_path {state}/scgi;
+    server {{
+        listen 127.0.0.1:{port} backlog={backlog};
+        root {root};
+    }}
+}}
+"""
+
+
+class Nginx:
+    """nginx serving a folder as plain static files (with Range) on 127.0.0.1; a context
+    manager. Needs the `nginx` binary (Debian: nginx-light)."""
+
+    def __init__(self, root: str | os.PathLike[str], state: str | os.PathLike[str]) -> None:
+        binary = shutil.which("nginx") or "/usr/sbin/nginx"
+        if not os.path.exists(binary):
+            raise FileNotFoundError("nginx is not installed (Debian: apt-get install nginx-light)")
+        state_dir = Path(state)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        config = state_dir / "nginx.conf"
+        config.write_text(NGINX_CONFIG.format(
+            user="user root;" if os.geteuid() == 0 else "",
+            state=state_dir, port=port, backlog=BACKLOG, root=Path(root).resolve(),
+        ))
+        self._process = subprocess.Popen(
+            [binary, "-c", str(config), "-p", str(state_dir), "-e", str(state_dir / "error.log")]
+        )
+        self.url = f"http://127.0.0.1:{port}/"
+        self._wait_until_listening(port, state_dir)
+
+    def _wait_until_listening(self, port: int, state: Path) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                log = (state / "error.log").read_text() if (state / "error.log").exists() else ""
+                raise RuntimeError(f"nginx exited with {self._process.returncode}: {log}")
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            time.sleep(0.05)
+        self.close()
+        raise RuntimeError(f"nginx did not listen on port {port} within {START_TIMEOUT} s")
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()  # SIGTERM: nginx's fast shutdown
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(5)
+
+    def __enter__(self) -> Nginx:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from aioloader.testing import TestServer
+from aioloader.testing import Nginx, TestServer
 
 from decoders import SAMPLE_COUNT, write_samples
 
@@ -34,6 +36,22 @@ def server(sample_dir: Path) -> Iterator[TestServer]:
 def faulty_server(sample_dir: Path) -> Iterator[TestServer]:
     """A server of this test's own, whose faults the test sets with set_faults()."""
     with TestServer(sample_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def web_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Files put here are served by the session's nginx; use names unique to the test."""
+    return tmp_path_factory.mktemp("web")
+
+
+@pytest.fixture(scope="session")
+def nginx(web_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nginx]:
+    if shutil.which("nginx") is None and not os.path.exists("/usr/sbin/nginx"):
+        if os.environ.get("CI"):
+            pytest.fail("nginx must be installed in CI (apt-get install nginx-light)")
+        pytest.skip("nginx is not installed (apt-get install nginx-light)")
+    with Nginx(web_root, tmp_path_factory.mktemp("nginx-state")) as running:
         yield running
 
 

@@ -13,7 +13,6 @@ here = Path(__file__).resolve().parent
 sys.path.insert(0, str(here.parent))
 
 from mxnet import recordio  # noqa: E402
-
 from recordio_cases import IMAGE_HEADERS, payloads  # noqa: E402
 
 records = payloads() + [recordio.pack(recordio.IRHeader(*h), p) for h, p in IMAGE_HEADERS]
