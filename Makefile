@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install system-deps demo test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,11 +23,19 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy aioloader
 
-test: lint
+# nginx serves plain static files to the tests (Range requests); Debian's nginx-light
+system-deps:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
+		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nginx-light; }
+
+test: lint system-deps
 	$(BIN)/pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/remote_latency.py
+	$(BIN)/python benchmarks/formats.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

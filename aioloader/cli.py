@@ -1,4 +1,4 @@
-"""The `aioloader` command: demo and serve (each a thin layer over the library)."""
+"""The `aioloader` command: demo, serve, pack, inspect (each a thin layer over the library)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,20 @@ def main(argv: list[str] | None = None) -> None:
             default=field.default,
         )
 
+    pack = commands.add_parser("pack", help="pack an image folder or .lst into .rec or tar shards")
+    pack.add_argument("source", type=Path, help="folder with a sub-folder per class, or a .lst")
+    pack.add_argument("out", type=Path, help="OUT.rec (plus OUT.idx), or OUT.tar for shards")
+    pack.add_argument("--format", choices=["rec", "tar"], default=None,
+                      help="default: from the suffix of OUT")
+    pack.add_argument("--processes", type=int, default=2, help="worker processes")
+    pack.add_argument("--resize", type=int, default=None, help="shorter edge in pixels")
+    pack.add_argument("--quality", type=int, default=None, help="re-encode JPEG at this quality")
+    pack.add_argument("--shard-mb", type=float, default=256.0, help="target tar shard size")
+
+    inspect = commands.add_parser("inspect", help="counts, sizes and labels of a .rec or .tar")
+    inspect.add_argument("file", type=Path)
+    inspect.add_argument("--first", type=int, default=5, help="records to show")
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         faults = Faults(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Faults)})
@@ -42,6 +56,21 @@ def main(argv: list[str] | None = None) -> None:
         with contextlib.suppress(KeyboardInterrupt):
             loop.run_until_complete(serve(args.root, args.host, args.port, faults))
         loop.close()
+    elif args.command == "pack":
+        from .packing import ImageOptions, pack_recordio, pack_tar
+
+        options = ImageOptions(args.resize, args.quality)
+        if (args.format or args.out.suffix.lstrip(".")) == "tar":
+            shards = pack_tar(args.source, args.out, options, args.processes,
+                              int(args.shard_mb * (1 << 20)))
+            print(f"wrote {len(shards)} shards: {shards[0]} .. {shards[-1]}")
+        else:
+            count = pack_recordio(args.source, args.out, options, args.processes)
+            print(f"wrote {count} records to {args.out} and {args.out.with_suffix('.idx')}")
+    elif args.command == "inspect":
+        from .summary import summarize
+
+        print(summarize(args.file, args.first))
     elif args.command == "demo":
         from .demo import run_demo
 

@@ -1,0 +1,168 @@
+"""Packing a folder of images (or an im2rec `.lst`) into RecordIO or WebDataset tar shards.
+
+Worker processes read (and, when asked, resize and re-encode) the images; the main process
+writes them in input order, so the output is the same whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from tqdm import tqdm
+
+from . import recordio
+from .workers import process_context
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+@dataclass(frozen=True)
+class Item:
+    index: int
+    labels: tuple[float, ...]
+    path: Path
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    resize: int | None = None
+    """Resize so the shorter edge has this many pixels (as im2rec --resize)."""
+    quality: int | None = None
+    """Re-encode JPEG with this quality; None keeps the original bytes when not resizing."""
+
+
+def list_items(source: Path) -> list[Item]:
+    """Items of a class-per-folder tree (labels 0.. by sorted folder name, as ImageFolder does)
+    or of an im2rec list file: `index<TAB>label[<TAB>label...]<TAB>path`, paths relative to it."""
+    if source.is_file():
+        items = []
+        for number, line in enumerate(source.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            fields = line.split("\t")
+            if len(fields) < 3:
+                raise ValueError(f"{source}:{number}: expected index, label(s) and path: {line!r}")
+            path = Path(fields[-1])
+            items.append(Item(int(fields[0]), tuple(float(f) for f in fields[1:-1]),
+                              path if path.is_absolute() else source.parent / path))
+        return items
+    classes = sorted(p.name for p in source.iterdir() if p.is_dir())
+    if not classes:
+        raise ValueError(f"{source} has no class sub-folders and is not a .lst file")
+    paths = [
+        (label, path)
+        for label, name in enumerate(classes)
+        for path in sorted((source / name).rglob("*"))
+        if path.suffix.lower() in IMAGE_SUFFIXES
+    ]
+    return [Item(i, (float(label),), path) for i, (label, path) in enumerate(paths)]
+
+
+def load_image(job: tuple[Item, ImageOptions]) -> tuple[Item, bytes, str]:
+    """(item, image bytes, file extension): runs in a worker process."""
+    item, options = job
+    data = item.path.read_bytes()
+    extension = item.path.suffix.lower().lstrip(".")
+    if options.resize is None and options.quality is None:
+        return item, data, extension
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data)).convert("RGB")
+    if options.resize is not None:
+        scale = options.resize / min(image.size)
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=options.quality or 95)
+    return item, out.getvalue(), "jpg"
+
+
+def _loaded(
+    items: list[Item], options: ImageOptions, processes: int, what: str
+) -> Iterator[tuple[Item, bytes, str]]:
+    jobs = [(item, options) for item in items]
+    progress = tqdm(total=len(items), desc=what, unit="img")
+    with progress:
+        if processes <= 1:
+            for job in jobs:
+                yield load_image(job)
+                progress.update()
+            return
+        with process_context().Pool(processes) as pool:
+            for loaded in pool.imap(load_image, jobs, chunksize=16):
+                yield loaded
+                progress.update()
+
+
+def pack_recordio(
+    source: Path, out: Path, options: ImageOptions = ImageOptions(), processes: int = 2
+) -> int:
+    """Write OUT.rec and OUT.idx (MXNet's layout: IRHeader + image, key = item index)."""
+    items = list_items(source)
+    with recordio.Writer(out, out.with_suffix(".idx")) as writer:
+        for item, data, _ in _loaded(items, options, processes, f"packing {out.name}"):
+            one_or_many = item.labels[0] if len(item.labels) == 1 else item.labels
+            header = recordio.IRHeader(0, one_or_many, item.index, 0)
+            writer.write(recordio.pack(header, data), key=item.index)
+    return len(items)
+
+
+def pack_tar(
+    source: Path,
+    out: Path,
+    options: ImageOptions = ImageOptions(),
+    processes: int = 2,
+    shard_bytes: int = 256 << 20,
+) -> list[Path]:
+    """Write WebDataset shards OUT-000000.tar, ... of about `shard_bytes` each: per sample
+    `<index>.<ext>` with the image and `<index>.cls` with the label(s)."""
+    items = list_items(source)
+    with _ShardWriter(out, shard_bytes) as shards:
+        for item, data, extension in _loaded(items, options, processes, f"packing {out.name}"):
+            key = f"{item.index:09d}"
+            labels = " ".join(f"{x:g}" for x in item.labels).encode()
+            shards.add_sample([(f"{key}.{extension}", data), (f"{key}.cls", labels)])
+    return shards.paths
+
+
+class _ShardWriter:
+    """Tar shards named OUT-000000.tar, ...; a new one starts once `limit` bytes are written."""
+
+    def __init__(self, out: Path, limit: int) -> None:
+        self._out = out
+        self._limit = limit
+        self.paths: list[Path] = []
+        self._file: BinaryIO | None = None
+        self._tar: tarfile.TarFile | None = None
+
+    def add_sample(self, files: list[tuple[str, bytes]]) -> None:
+        if self._tar is None or self._file is None or self._file.tell() >= self._limit:
+            self._start_shard()
+        assert self._tar is not None
+        for name, payload in files:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            self._tar.addfile(info, io.BytesIO(payload))
+
+    def _start_shard(self) -> None:
+        self.close()
+        self.paths.append(self._out.with_name(f"{self._out.stem}-{len(self.paths):06d}.tar"))
+        self._file = self.paths[-1].open("wb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.GNU_FORMAT)  # noqa: SIM115 (closed by close())
+
+    def close(self) -> None:
+        if self._tar is not None and self._file is not None:
+            self._tar.close()
+            self._file.close()
+        self._tar = self._file = None
+
+    def __enter__(self) -> _ShardWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
