@@ -1,7 +1,8 @@
 """Packing a folder of images (or an im2rec `.lst`) into RecordIO or WebDataset tar shards.
 
-Worker processes read (and, when asked, resize and re-encode) the images; the main process
-writes them in input order, so the output is the same whatever the number of processes.
+Worker processes resize and re-encode images when asked (plain copies stay in this process:
+that is I/O, and pickling would cost more than it saves); the main process writes records in
+input order, so the output is the same whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def _loaded(
 ) -> Iterator[tuple[Item, bytes, str]]:
     jobs = [(item, options) for item in items]
     progress = tqdm(total=len(items), desc=what, unit="img")
+    copying = options.resize is None and options.quality is None
     with progress:
-        if processes <= 1:
+        if processes <= 1 or copying:  # copying bytes is I/O: processes only add pickling
             for job in jobs:
                 yield load_image(job)
                 progress.update()
