@@ -18,11 +18,11 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any, Literal
 
 import numpy as np
 
+from ._closing import AsyncClosing, Closing
 from ._loopthread import LoopThread
 from .collate import default_collate
 from .datasets import Dataset, Stream
@@ -51,7 +51,7 @@ class _Failure:
     error: BaseException
 
 
-class Loader:
+class Loader(Closing, AsyncClosing):
     """Batches of decoded samples from a dataset; see the README for every argument."""
 
     def __init__(
@@ -220,22 +220,6 @@ class Loader:
 
     async def aclose(self) -> None:
         self.close()
-
-    def __enter__(self) -> Loader:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Loader:
-        return self
-
-    async def __aexit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
 
 class _PoolHolder:

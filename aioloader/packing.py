@@ -17,6 +17,7 @@ from typing import BinaryIO
 from tqdm import tqdm
 
 from . import recordio
+from ._closing import Closing
 from .workers import process_context
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -132,7 +133,7 @@ def pack_tar(
     return shards.paths
 
 
-class _ShardWriter:
+class _ShardWriter(Closing):
     """Tar shards named OUT-000000.tar, ...; a new one starts once `limit` bytes are written."""
 
     def __init__(self, out: Path, limit: int) -> None:
@@ -163,8 +164,3 @@ class _ShardWriter:
             self._file.close()
         self._tar = self._file = None
 
-    def __enter__(self) -> _ShardWriter:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

@@ -13,12 +13,12 @@ import numbers
 import os
 import struct
 from collections.abc import Iterator
-from types import TracebackType
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from ._closing import Closing
 from .errors import LoaderError
 
 MAGIC = 0xCED7230A
@@ -170,7 +170,7 @@ def read_index(text: str, where: str) -> tuple[list[str], list[int]]:
     return keys, offsets
 
 
-class Writer:
+class Writer(Closing):
     """Writes `.rec` (and `.idx`) files byte-identical to MXNet's `MXIndexedRecordIO.write_idx`."""
 
     def __init__(
@@ -194,10 +194,3 @@ class Writer:
         if self._idx is not None:
             self._idx.close()
 
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

@@ -24,10 +24,11 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from aiohttp import web
+
+from ._closing import Closing
 
 READY_PREFIX = "serving "
 START_TIMEOUT = 30.0
@@ -157,7 +158,7 @@ async def serve(root: Path, host: str, port: int, faults: Faults) -> None:
         await runner.cleanup()
 
 
-class TestServer:
+class TestServer(Closing):
     """The fault-injecting server in a child process on 127.0.0.1; a context manager."""
 
     __test__ = False  # not a pytest test class
@@ -210,14 +211,6 @@ class TestServer:
         if self._process.stdout is not None:
             self._process.stdout.close()
 
-    def __enter__(self) -> TestServer:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
 
 def _readline_with_timeout(process: subprocess.Popen[str], timeout: float) -> str:
     """The child's first line of output, or '' if it prints nothing in time or dies."""
@@ -251,7 +244,7 @@ http {{
 """
 
 
-class Nginx:
+class Nginx(Closing):
     """nginx serving a folder as plain static files (with Range) on 127.0.0.1; a context
     manager. Needs the `nginx` binary (Debian: nginx-light)."""
 
@@ -294,14 +287,6 @@ class Nginx:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait(5)
-
-    def __enter__(self) -> Nginx:
-        return self
-
-    def __exit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _free_port() -> int:

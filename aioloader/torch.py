@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from ._closing import Closing
 from .loader import Loader
 
 __all__ = ["TorchLoader", "as_iterable_dataset", "to_tensors"]
@@ -38,7 +39,7 @@ def _can_pin() -> bool:
     return bool(torch.cuda.is_available())
 
 
-class TorchLoader:
+class TorchLoader(Closing):
     """Iterates a Loader with numpy arrays turned into tensors (`torch.from_numpy`, no copy)."""
 
     def __init__(self, loader: Loader, pin_memory: bool = False) -> None:
@@ -62,12 +63,6 @@ class TorchLoader:
 
     def close(self) -> None:
         self.loader.close()
-
-    def __enter__(self) -> TorchLoader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class _LoaderDataset(torch.utils.data.IterableDataset[Any]):

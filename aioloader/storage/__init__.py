@@ -10,9 +10,9 @@ import contextvars
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from types import TracebackType
 from urllib.parse import unquote, urlsplit
 
+from .._closing import AsyncClosing
 from ..stats import LoaderStats
 from .coalesce import RangeCoalescer
 from .http import HttpStore
@@ -58,7 +58,7 @@ def local_path(url: str) -> str | None:
     return url
 
 
-class Storage:
+class Storage(AsyncClosing):
     """Reads for one event loop: one HTTP session and one file thread pool, closed together."""
 
     def __init__(
@@ -126,14 +126,6 @@ class Storage:
             await self._http.aclose()
         finally:
             self._local.close()
-
-    async def __aenter__(self) -> Storage:
-        return self
-
-    async def __aexit__(
-        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
 
 @asynccontextmanager
