@@ -33,6 +33,7 @@ from .sampling import (
     _shard_info,
     default_rank_and_world_size,
     epoch_order,
+    steps_in_epoch,
 )
 from .stats import LoaderStats
 from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
@@ -160,12 +161,11 @@ class Loader(Closing, AsyncClosing):
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (samples when batch_size is None)."""
-        plan = self._plan(0)
-        if plan is not None:
-            return len(plan)
+        step = self.batch_size or 1
+        if not isinstance(self.dataset, Stream):
+            return steps_in_epoch(len(self.dataset), step, self.world_size, self.drop_last)
         if not hasattr(self.dataset, "__len__"):
             raise TypeError("this Loader reads a Stream without __len__: its length is unknown")
-        step = self.batch_size or 1
         items = len(self.dataset)
         return items // step if self.drop_last else -(-items // step)
 

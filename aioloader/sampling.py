@@ -32,6 +32,15 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, index])
 
 
+def steps_in_epoch(length: int, step_size: int, world_size: int, drop_last: bool) -> int:
+    """How many steps an epoch of `length` samples has, without building its order."""
+    group = step_size * world_size
+    if drop_last:
+        return length // group
+    padded = -(-length // world_size) * world_size
+    return -(-padded // group)
+
+
 class EpochPlan:
     """The steps of one epoch for one rank, from a global position onwards; computed lazily."""
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader.sampling import EpochPlan, epoch_order
+from aioloader.sampling import EpochPlan, epoch_order, steps_in_epoch
 
 
 @settings(max_examples=200, deadline=None)
@@ -26,6 +26,7 @@ def test_rank_shares_are_equal_and_cover_the_epoch(
     shares = [np.concatenate([p.step(k) for k in range(len(p))] or [np.empty(0, np.int64)])
               for p in plans]
     assert len({len(p) for p in plans}) == 1
+    assert len(plans[0]) == steps_in_epoch(length, step, world_size, drop_last)
     assert len({len(s) for s in shares}) == 1
     assert all(len(p.step(k)) <= step for p in plans for k in range(len(p)))
     taken = np.concatenate(shares)
