@@ -6,7 +6,7 @@ for `async for`, plain `for` and PyTorch.
 
 from . import storage
 from .collate import default_collate
-from .datasets import Dataset, Files, RecordIO, Stream, TarShards
+from .datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
 from .errors import FetchError, LoaderError, SampleError, WorkerDiedError
 from .loader import Loader
 from .sampling import ShardInfo, get_shard_info
@@ -26,6 +26,7 @@ __all__ = [
     "SampleError",
     "ShardInfo",
     "Stream",
+    "StreamBatches",
     "TarShards",
     "WorkerDiedError",
     "WorkerInfo",

@@ -10,15 +10,15 @@ same run on a loop in a background thread.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import threading
 import traceback
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sized
+from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -30,14 +30,14 @@ from .errors import LoaderError, SampleError
 from .sampling import (
     EpochPlan,
     ShardInfo,
-    _shard_info,
+    call_with_shard_info,
     default_rank_and_world_size,
     epoch_order,
     steps_in_epoch,
 )
 from .stats import LoaderStats
 from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
-from .workers import Chunk, ChunkResult, DecodePool, DecodeSpec, check_picklable
+from .workers import Chunk, ChunkResult, DecodePool, DecodeSpec, ExecutorPool, check_picklable
 
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
@@ -75,6 +75,7 @@ class Loader(Closing, AsyncClosing):
         persistent_workers: bool = False,
         retries: int = DEFAULT_RETRIES,
         timeout: float = DEFAULT_TIMEOUT,
+        executor: Executor | None = None,
     ) -> None:
         if not isinstance(dataset, Stream) and not (
             hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
@@ -88,6 +89,8 @@ class Loader(Closing, AsyncClosing):
         _check_count("num_workers", num_workers, minimum=0)
         _check_count("prefetch", prefetch, minimum=1)
         _check_count("seed", seed, minimum=0)
+        if isinstance(dataset, Stream):
+            dataset.check_batching(batch_size, ordered)
         if on_error not in ("raise", "skip"):
             raise ValueError(f'on_error must be "raise" or "skip", got {on_error!r}')
         if decode is not None and not callable(decode):
@@ -98,7 +101,10 @@ class Loader(Closing, AsyncClosing):
         _check_count("world_size", self.world_size, minimum=1)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
-        if num_workers:
+        if executor is not None and worker_init is not None:
+            raise ValueError("worker_init runs in the built-in decode processes; with executor=, "
+                             "set up the executor's workers yourself")
+        if num_workers or executor is not None:
             check_picklable("decode", decode)
             check_picklable("collate", collate)
             check_picklable("worker_init", worker_init)
@@ -120,6 +126,7 @@ class Loader(Closing, AsyncClosing):
         self.stats = LoaderStats()
         self._spec = DecodeSpec(decode, collate if batch_size else None, on_error == "skip", seed)
         self._worker_init = worker_init
+        self.executor = executor
         self._epoch = 0
         self._position = 0
         """Global position in the epoch's order of the last batch handed over."""
@@ -140,13 +147,24 @@ class Loader(Closing, AsyncClosing):
         self._epoch, self._position, self._resume_at = epoch, 0, None
 
     def state_dict(self) -> dict[str, int]:
-        """Where this loader stands: small, JSON-serialisable, valid for any rank."""
-        return {"epoch": self._epoch, "position": self._position}
+        """Where this loader stands: small and JSON-serialisable.
+
+        Map-style data: the position in the epoch's global order, valid for any rank and any
+        world size. A stream: the items this rank handed over, and the world size, which a
+        resumed stream must keep (its share of the data depends on it).
+        """
+        state = {"epoch": self._epoch, "position": self._position}
+        if isinstance(self.dataset, Stream):
+            state["world_size"] = self.world_size
+        return state
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """The next iteration continues the saved epoch at the saved global position."""
-        if isinstance(self.dataset, Stream):
-            raise LoaderError("resuming a Stream mid-epoch is not supported yet")
+        """The next iteration continues the saved epoch at the saved position."""
+        if isinstance(self.dataset, Stream) and state.get("world_size") != self.world_size:
+            raise LoaderError(
+                f"this stream's state was saved with world size {state.get('world_size')}; "
+                f"a stream resumes only with the same world size, not {self.world_size}"
+            )
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._resume_at = self._position
 
@@ -166,8 +184,12 @@ class Loader(Closing, AsyncClosing):
             return steps_in_epoch(len(self.dataset), step, self.world_size, self.drop_last)
         if not hasattr(self.dataset, "__len__"):
             raise TypeError("this Loader reads a Stream without __len__: its length is unknown")
-        items = len(self.dataset)
+        dataset = cast(Sized, self.dataset)
+        items = call_with_shard_info(self._shard_info(self._epoch), lambda: len(dataset))
         return items // step if self.drop_last else -(-items // step)
+
+    def _shard_info(self, epoch: int) -> ShardInfo:
+        return ShardInfo(self.rank, self.world_size, epoch, self.seed, self.shuffle)
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -177,7 +199,7 @@ class Loader(Closing, AsyncClosing):
         start = self._resume_at or 0
         self._position, self._resume_at = start, None
         pool = self._pools.get(self)
-        return _EpochRun(self, self._plan(start), pool)
+        return _EpochRun(self, self._plan(start), start, pool)
 
     async def _close_run(self, run: _EpochRun) -> None:
         try:
@@ -229,7 +251,9 @@ class _PoolHolder:
         self._pool: DecodePool | None = None
         self._lock = threading.Lock()
 
-    def get(self, loader: Loader) -> DecodePool:
+    def get(self, loader: Loader) -> DecodePool | ExecutorPool:
+        if loader.executor is not None:
+            return ExecutorPool(loader._spec, loader.executor)
         with self._lock:
             if self._pool is None:
                 base_seed = int(
@@ -262,10 +286,17 @@ class _Job:
 class _EpochRun:
     """One pass over (the rest of) an epoch inside one event loop."""
 
-    def __init__(self, loader: Loader, plan: EpochPlan | None, pool: DecodePool) -> None:
+    def __init__(
+        self,
+        loader: Loader,
+        plan: EpochPlan | None,
+        start: int,
+        pool: DecodePool | ExecutorPool,
+    ) -> None:
         self._loader = loader
         self._epoch = loader.epoch
         self._plan = plan
+        self._start = start
         self.pool = pool
         self.finished = False
         self._step_size = loader.batch_size or 1
@@ -276,16 +307,14 @@ class _EpochRun:
         self._fetch_slots = asyncio.Semaphore(loader.concurrency)
         self._storage = Storage(loader.concurrency, loader.retries, loader.timeout, loader.stats)
         self._delivered = _Progress()
-        info = ShardInfo(loader.rank, loader.world_size, self._epoch, loader.seed, loader.shuffle)
+        info = loader._shard_info(self._epoch)
 
         def start_producer() -> asyncio.Task[None]:
-            """In a copied context: the producer and its tasks see this run's storage and
-            shard info, the caller's context is left alone."""
-            _shard_info.set(info)
+            """The producer and its tasks see this run's storage and shard info."""
             with self._storage.as_current():
                 return asyncio.create_task(self._produce(), name="aioloader-producer")
 
-        self._producer = contextvars.copy_context().run(start_producer)
+        self._producer = call_with_shard_info(info, start_producer)
 
     async def next(self) -> Any:
         """The next batch, or _END; raises the first failure of the run."""
@@ -299,7 +328,7 @@ class _EpochRun:
             step, item = entry
             steps_done = self._delivered.add(step)
             self._loader._position = (
-                steps_done * self._step_size
+                self._start + steps_done * self._step_size
                 if self._plan is None
                 else self._plan.global_position(steps_done)
             )
@@ -352,9 +381,10 @@ class _EpochRun:
         assert isinstance(stream, Stream)
         rank, world_size = self._loader.rank, self._loader.world_size
         chunk_size = self._step_size * self._steps_per_chunk
-        first_step, count = 0, 0
+        first_step, count = 0, self._start
         job = _Job(range(0), [], [], [])
-        async with aclosing(_aiter(stream)) as items:
+        start = stream.iter_from(self._start) if self._start else _aiter(stream)
+        async with aclosing(start) as items:
             async for item in items:
                 assert job.raws is not None and job.keys is not None
                 job.indices.append(count * world_size + rank)

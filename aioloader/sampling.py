@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextvars
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 Indices = npt.NDArray[np.int64]
+T = TypeVar("T")
 _ORDER_STREAM = 1
 """Spawn key that keeps the order's random stream apart from the per-sample streams."""
 
@@ -42,7 +45,11 @@ def steps_in_epoch(length: int, step_size: int, world_size: int, drop_last: bool
 
 
 class EpochPlan:
-    """The steps of one epoch for one rank, from a global position onwards; computed lazily."""
+    """The steps of one epoch for one rank, from a global position onwards; computed lazily.
+
+    What remains after `start` is padded (or, with drop_last, cut) for this world size, so a
+    job resumed on another number of ranks still gives every rank a share of equal length.
+    """
 
     def __init__(
         self,
@@ -54,12 +61,13 @@ class EpochPlan:
         start: int = 0,
     ) -> None:
         group = step_size * world_size
+        remaining = order[start:]
         if drop_last:
-            order = order[: len(order) // group * group]
-        elif len(order) % world_size:
-            wrap = world_size - len(order) % world_size
-            order = np.concatenate([order, np.resize(order, wrap)])
-        self._order = order[start:]
+            remaining = remaining[: len(remaining) // group * group]
+        elif len(remaining) % world_size:  # pad with the epoch's first samples, as torch does
+            wrap = world_size - len(remaining) % world_size
+            remaining = np.concatenate([remaining, np.resize(order, wrap)])
+        self._order = remaining
         self.start = start
         self._step_size = step_size
         self._rank = rank
@@ -115,3 +123,14 @@ def get_shard_info() -> ShardInfo:
         rank, world_size = default_rank_and_world_size()
         return ShardInfo(rank, world_size, 0, 0, False)
     return info
+
+
+def call_with_shard_info(info: ShardInfo, function: Callable[[], T]) -> T:
+    """Call `function` in a copy of the current context where `get_shard_info()` is `info`
+    (tasks it creates inherit that context); the caller's context is left alone."""
+
+    def call() -> T:
+        _shard_info.set(info)
+        return function()
+
+    return contextvars.copy_context().run(call)

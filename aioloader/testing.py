@@ -62,6 +62,7 @@ class _FaultyFileServer:
         self.faults = faults
         self.random = random.Random(faults.seed)
         self.counts: Counter[str] = Counter()
+        self.in_flight = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -82,6 +83,14 @@ class _FaultyFileServer:
 
     async def serve_file(self, request: web.Request) -> web.StreamResponse:
         self.counts["requests"] += 1
+        self.in_flight += 1
+        self.counts["max_in_flight"] = max(self.counts["max_in_flight"], self.in_flight)
+        try:
+            return await self._serve_file(request)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve_file(self, request: web.Request) -> web.StreamResponse:
         faults = self.faults
         if faults.latency_ms:
             await asyncio.sleep(faults.latency_ms / 1000)
@@ -195,7 +204,8 @@ class TestServer(Closing):
         return result
 
     def stats(self) -> dict[str, int]:
-        """Counters: requests, errors, throttles, drops, stalls, ranges, not_found."""
+        """Counters: requests, max_in_flight, errors, throttles, drops, stalls, ranges,
+        not_found."""
         with urllib.request.urlopen(self.url + "_stats", timeout=10) as response:
             result: dict[str, int] = json.load(response)
         return result

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing.sharedctypes import Synchronized
@@ -249,6 +249,23 @@ class DecodePool:
         manager = getattr(executor, "_executor_manager_thread", None)
         if manager is not None:
             manager.join(CLOSE_GRACE_SECONDS)
+
+
+class ExecutorPool:
+    """Decoding on an executor the caller owns (for example a Dask cluster's): the spec travels
+    with each task, since there is no initializer to send it once; the executor stays open."""
+
+    broken = False
+
+    def __init__(self, spec: DecodeSpec, executor: Executor) -> None:
+        self._spec = spec
+        self._executor = executor
+
+    async def run(self, chunk: Chunk) -> ChunkResult:
+        return await asyncio.wrap_future(self._executor.submit(run_chunk, self._spec, chunk))
+
+    def close(self) -> None:
+        """Nothing to stop: the executor belongs to the caller."""
 
 
 def _describe_exit(code: int) -> str:

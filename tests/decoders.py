@@ -61,3 +61,11 @@ def die_on_five(raw: bytes) -> int:
 
 def mark_worker(folder: str, worker_id: int) -> None:
     Path(folder, f"worker-{worker_id}").write_text(str(os.getpid()))
+
+
+def as_array(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, np.uint8).copy()
+
+
+def plus_noise(item: int, rng: np.random.Generator) -> tuple[int, float]:
+    return item, float(rng.random())

@@ -3,6 +3,7 @@
 from .base import Dataset, Stream
 from .files import Files
 from .recordio import RecordIO
+from .streambatches import StreamBatches
 from .tarshards import TarShards
 
-__all__ = ["Dataset", "Files", "RecordIO", "Stream", "TarShards"]
+__all__ = ["Dataset", "Files", "RecordIO", "Stream", "StreamBatches", "TarShards"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import Any
 
 
@@ -32,13 +32,46 @@ class Stream(abc.ABC):
 
     The loader iterates a stream once, in its event loop, so no item is read twice; with several
     ranks, read only this rank's share (`aioloader.get_shard_info()` says which).
+
+    Resuming mid-epoch: the loader calls `iter_from(position)`, position being the number of
+    items this rank had handed over. The default replays the epoch and drops that many, which
+    is exact for any stream whose order depends only on `get_shard_info()`; override it to
+    jump there directly.
     """
 
     @abc.abstractmethod
     def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    async def iter_from(self, position: int) -> AsyncGenerator[Any, None]:
+        """This rank's items of the epoch from the `position`-th on."""
+        dropped = 0
+        async for item in self:
+            if dropped < position:
+                dropped += 1
+                continue
+            yield item
+
+    def check_batching(self, batch_size: int | None, ordered: bool) -> None:
+        """Refuse loader settings this stream cannot serve; the default accepts all."""
+        return
+
+    @staticmethod
+    def from_factory(factory: Callable[[], AsyncIterable[Any]]) -> Stream:
+        """A Stream whose epochs come from `factory()`, an async iterable (call
+        `get_shard_info()` inside it to read this rank's share)."""
+        return _FactoryStream(factory)
 
     def key(self, item: Any, position: int) -> str:
         """A name for an item, used in error messages: `__url__#__key__` for dict samples."""
         if isinstance(item, Mapping) and "__key__" in item:
             return f"{item.get('__url__', '')}#{item['__key__']}"
         return f"item {position}"
+
+
+class _FactoryStream(Stream):
+    def __init__(self, factory: Callable[[], AsyncIterable[Any]]) -> None:
+        self._factory = factory
+
+    async def __aiter__(self) -> AsyncGenerator[Any, None]:
+        async for item in self._factory():
+            yield item

@@ -1,0 +1,141 @@
+"""Streams for sequential models: batch position j continues its own stream batch after batch."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import storage
+from .._loopthread import run_sync
+from ..sampling import ShardInfo, get_shard_info
+from .base import Stream
+from .tarshards import expand_braces
+
+_FILE_ORDER_STREAM = 5
+
+
+class StreamBatches(Stream):
+    """For truncated backprop through time and other stateful sequence models.
+
+    The files (in an order shuffled per epoch with the seed when the Loader shuffles) are read
+    as one byte sequence and cut into `batch_size * world_size` equal segments; rank r's
+    position j reads segment `r * batch_size + j` from start to end, `chunk_bytes` per batch.
+    So position j of batch k+1 continues where position j of batch k stopped, positions never
+    share data, and a position whose file runs out continues into the next file. The reads of a
+    batch's positions go out together, `steps_ahead` batches in advance. Every batch is full:
+    the tail shorter than a chunk at the end of each segment is left out.
+
+    Items are the chunk's bytes; use with `Loader(stream, batch_size=<the same>)`.
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        batch_size: int,
+        chunk_bytes: int,
+        steps_ahead: int = 4,
+    ) -> None:
+        patterns = [urls] if isinstance(urls, str) else list(urls)
+        self.urls = [storage.check_url(u) for p in patterns for u in expand_braces(p)]
+        if not self.urls or batch_size < 1 or chunk_bytes < 1 or steps_ahead < 1:
+            raise ValueError("StreamBatches needs files, and batch_size, chunk_bytes and "
+                             "steps_ahead of at least 1")
+        self.batch_size = batch_size
+        self.chunk_bytes = chunk_bytes
+        self.steps_ahead = steps_ahead
+        self.sizes = run_sync(_sizes(self.urls))
+
+    def check_batching(self, batch_size: int | None, ordered: bool) -> None:
+        if batch_size != self.batch_size or not ordered:
+            raise ValueError(
+                f"StreamBatches(batch_size={self.batch_size}) needs "
+                f"Loader(batch_size={self.batch_size}, ordered=True), got "
+                f"batch_size={batch_size}, ordered={ordered}"
+            )
+
+    def steps(self, info: ShardInfo) -> int:
+        """Batches per epoch (the same on every rank)."""
+        segment = sum(self.sizes) // (self.batch_size * info.world_size)
+        return segment // self.chunk_bytes
+
+    def __len__(self) -> int:
+        """Items this rank reads in an epoch."""
+        return self.steps(get_shard_info()) * self.batch_size
+
+    def key(self, item: Any, position: int) -> str:
+        step, j = divmod(position, self.batch_size)
+        return f"stream {j}, batch {step}"
+
+    async def __aiter__(self) -> AsyncGenerator[bytes, None]:
+        async for item in self.iter_from(0):
+            yield item
+
+    async def iter_from(self, position: int) -> AsyncGenerator[bytes, None]:
+        """Jumps straight to the batch that holds item `position`."""
+        info = get_shard_info()
+        order = np.arange(len(self.urls))
+        if info.shuffle:
+            sequence = np.random.SeedSequence(
+                [info.seed, info.epoch], spawn_key=(_FILE_ORDER_STREAM,)
+            )
+            order = np.random.default_rng(sequence).permutation(len(self.urls))
+        files = [(self.urls[i], self.sizes[i]) for i in order]
+        segment = sum(self.sizes) // (self.batch_size * info.world_size)
+        first_stream = info.rank * self.batch_size
+        steps = range(position // self.batch_size, self.steps(info))
+        pending: deque[asyncio.Task[list[bytes]]] = deque()
+        async with storage.borrowed() as reads:
+
+            def read_step(step: int) -> asyncio.Task[list[bytes]]:
+                starts = [
+                    (first_stream + j) * segment + step * self.chunk_bytes
+                    for j in range(self.batch_size)
+                ]
+                return asyncio.ensure_future(asyncio.gather(
+                    *(_read_across(reads, files, s, s + self.chunk_bytes) for s in starts)
+                ))
+
+            try:
+                upcoming = iter(steps)
+                for step in upcoming:
+                    pending.append(read_step(step))
+                    if len(pending) >= self.steps_ahead:
+                        break
+                while pending:
+                    chunks = await pending.popleft()
+                    next_step = next(upcoming, None)
+                    if next_step is not None:
+                        pending.append(read_step(next_step))
+                    for chunk in chunks:
+                        yield chunk
+            finally:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def _sizes(urls: list[str]) -> list[int]:
+    async with storage.borrowed() as reads:
+        return list(await asyncio.gather(*(reads.size(u) for u in urls)))
+
+
+async def _read_across(
+    reads: storage.Storage, files: list[tuple[str, int]], start: int, end: int
+) -> bytes:
+    """Bytes start..end of the files taken end to end."""
+    firsts = np.cumsum([0] + [size for _, size in files]).tolist()
+    pieces = []
+    n = bisect.bisect_right(firsts, start) - 1
+    while start < end:
+        url, size = files[n]
+        stop = min(end, firsts[n] + size)
+        if stop > start:
+            pieces.append(reads.read_range(url, start - firsts[n], stop - firsts[n]))
+        start = max(start, stop)
+        n += 1
+    return b"".join(await asyncio.gather(*pieces))
