@@ -127,6 +127,7 @@ def test_elastic_resume_on_another_world_size_skips_nothing(
         ]
 
     first = ranks(before)
+    steps = min(steps, len(first[0]) - 1)  # break off before the epoch ends
     taken = indices_in_lockstep(first, steps)
     state = first[-1].state_dict()  # any rank's state resumes every rank
     assert all(loader.state_dict() == state for loader in first)
