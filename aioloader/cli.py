@@ -1,4 +1,4 @@
-"""The `aioloader` command: demo, serve, pack, inspect (each a thin layer over the library)."""
+"""The `aioloader` command: demo, serve, bench, pack, inspect (thin layers over the library)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> None:
     inspect.add_argument("file", type=Path)
     inspect.add_argument("--first", type=int, default=5, help="records to show")
 
+    bench = commands.add_parser("bench", help="read data as fast as possible; say what bounds it")
+    bench.add_argument("urls", nargs="+", help="objects, or a .rec (with .idx beside it), or "
+                       ".tar shards (brace patterns allowed); @FILE reads URLs from FILE")
+    bench.add_argument("--epochs", type=int, default=1)
+    bench.add_argument("--batch-size", type=int, default=64)
+    bench.add_argument("--concurrency", type=int, default=64)
+    bench.add_argument("--num-workers", type=int, default=2)
+    bench.add_argument("--timeline", type=Path, default=None, help="write the timeline PNG here")
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         faults = Faults(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Faults)})
@@ -67,6 +76,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             count = pack_recordio(args.source, args.out, options, args.processes)
             print(f"wrote {count} records to {args.out} and {args.out.with_suffix('.idx')}")
+    elif args.command == "bench":
+        from .bench import bench as run_bench
+
+        run_bench(args.urls, args.epochs, args.batch_size, args.concurrency, args.num_workers,
+                  args.timeline)
     elif args.command == "inspect":
         from .summary import summarize
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, S
 from concurrent.futures import Executor
 from contextlib import aclosing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -35,7 +36,7 @@ from .sampling import (
     epoch_order,
     steps_in_epoch,
 )
-from .stats import LoaderStats
+from .stats import LoaderStats, now
 from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
 from .workers import Chunk, ChunkResult, DecodePool, DecodeSpec, ExecutorPool, check_picklable
 
@@ -233,6 +234,13 @@ class Loader(Closing, AsyncClosing):
         finally:
             loop.stop()
 
+    def timeline(self, path: str | Path) -> Path:
+        """Draw what the loader did (the most recent events) as a PNG at `path`; needs
+        matplotlib. Reads overlap in the fetch row: darker means more in flight."""
+        from .timeline import draw
+
+        return draw(self.stats.events, path, title=self.stats.verdict())
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -307,6 +315,10 @@ class _EpochRun:
         self._fetch_slots = asyncio.Semaphore(loader.concurrency)
         self._storage = Storage(loader.concurrency, loader.retries, loader.timeout, loader.stats)
         self._delivered = _Progress()
+        stats = loader.stats
+        stats.concurrency, stats.decode_processes = loader.concurrency, loader.num_workers
+        self._started, self._busy_before = now(), stats.busy_seconds
+        self._handed_over_at: float | None = None
         info = loader._shard_info(self._epoch)
 
         def start_producer() -> asyncio.Task[None]:
@@ -318,6 +330,10 @@ class _EpochRun:
 
     async def next(self) -> Any:
         """The next batch, or _END; raises the first failure of the run."""
+        stats = self._loader.stats
+        asked = now()
+        if self._handed_over_at is not None:
+            stats.event("consumer", self._handed_over_at, asked, "step")
         while True:
             entry = await self._queue.get()
             if entry is _END:
@@ -325,7 +341,10 @@ class _EpochRun:
                 return _END
             if isinstance(entry, _Failure):
                 raise entry.error
-            step, item = entry
+            step, item, queued_at = entry
+            got = now()
+            stats.queue_wait.add(got - queued_at)
+            stats.busy_seconds = self._busy_before + got - self._started
             steps_done = self._delivered.add(step)
             self._loader._position = (
                 self._start + steps_done * self._step_size
@@ -333,7 +352,10 @@ class _EpochRun:
                 else self._plan.global_position(steps_done)
             )
             if item is not _EMPTY:
-                self._loader.stats.batches += 1
+                stats.batches += 1
+                stats.consumer_wait.add(got - asked)
+                stats.event("consumer", asked, got, "wait")
+                self._handed_over_at = got
                 return item
 
     async def aclose(self) -> None:
@@ -410,8 +432,8 @@ class _EpochRun:
             done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
             task = done.pop()
         in_flight.remove(task)
-        for entry in task.result():
-            await self._queue.put(entry)
+        for step, item in task.result():
+            await self._queue.put((step, item, now()))
 
     async def _complete(self, job: _Job) -> list[tuple[int, Any]]:
         """Fetch (if needed), decode and collate a job's samples; one (step, item) per step."""
@@ -427,6 +449,9 @@ class _EpochRun:
         kept = [n for n, raw in enumerate(raws) if raw is not _SKIPPED]
         chunk = Chunk(self._epoch, [job.indices[n] for n in kept], [raws[n] for n in kept])
         result = await self.pool.run(chunk)
+        for start, end in result.timings:
+            self._loader.stats.decode.add(end - start)
+            self._loader.stats.event(result.process, start, end, "decode")
         self._account(chunk, result, lambda position: self._job_key(job, kept[position]))
         if self._loader.batch_size:
             return [(job.steps[0], result.items[0] if result.items else _EMPTY)]
@@ -452,8 +477,13 @@ class _EpochRun:
         dataset = self._loader.dataset
         assert not isinstance(dataset, Stream)
         async with self._fetch_slots:
+            started = now()
             try:
-                return await dataset.fetch(index)
+                raw = await dataset.fetch(index)
+                ended = now()
+                self._loader.stats.fetch.add(ended - started)
+                self._loader.stats.event("fetch", started, ended, "fetch")
+                return raw
             except Exception as e:
                 error = SampleError(index, self._key(index), "fetch", traceback.format_exc())
                 if self._loader.on_error == "raise":

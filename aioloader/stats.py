@@ -1,16 +1,58 @@
-"""Counters of what a loader did, kept by the event loop thread and read by anyone."""
+"""Where a loader's time goes: counters, per-stage latency percentiles, a verdict, a timeline.
+
+Written by the loader's event loop thread, read by anyone; figures are approximate while a run
+is going on.
+"""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
 
 MAX_REMEMBERED_SKIPS = 20
+KEPT_VALUES = 20_000
+"""Percentiles are over the most recent values of each stage."""
+KEPT_EVENTS = 200_000
+"""Timeline boxes kept (the most recent)."""
+
+
+class Distribution:
+    """Count and total of a quantity, and percentiles of its recent values."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self._recent: deque[float] = deque(maxlen=KEPT_VALUES)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self._recent.append(value)
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(np.fromiter(self._recent, float), q)) if self._recent else 0.0
+
+    def describe(self, unit: float = 1e3, suffix: str = "ms") -> str:
+        if not self.count:
+            return "none"
+        p50, p90, p99 = (self.percentile(q) * unit for q in (50, 90, 99))
+        return f"p50 {p50:.1f} / p90 {p90:.1f} / p99 {p99:.1f} {suffix} ({self.count})"
+
+
+class Event(NamedTuple):
+    row: str
+    start: float
+    end: float
+    kind: str
 
 
 @dataclass
 class LoaderStats:
-    """Running totals since the loader was built; `str()` gives a one-paragraph report."""
+    """Running totals since the loader was built; `str()` gives the report and the verdict."""
 
     samples: int = 0
     batches: int = 0
@@ -19,13 +61,74 @@ class LoaderStats:
     retries: int = 0
     skipped: int = 0
     skip_reasons: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_REMEMBERED_SKIPS))
+    fetch: Distribution = field(default_factory=Distribution)
+    """Seconds per sample read (waiting for a read slot not included)."""
+    decode: Distribution = field(default_factory=Distribution)
+    """Seconds per sample in decode (and augment), measured in the decode process."""
+    queue_wait: Distribution = field(default_factory=Distribution)
+    """Seconds a finished batch waited in the prefetch queue for the consumer."""
+    consumer_wait: Distribution = field(default_factory=Distribution)
+    """Seconds the consumer waited for a batch."""
+    concurrency: int = 0
+    """Reads allowed in flight (chosen by the loader when concurrency="auto")."""
+    decode_processes: int = 0
+    busy_seconds: float = 0.0
+    """Wall seconds spent inside runs (from first request to end or break)."""
+    transport: dict[str, int] = field(default_factory=lambda: {"shared": 0, "pickled": 0})
+    """Batches handed back through shared memory and through pickles."""
+    cache: dict[str, float] = field(default_factory=dict)
+    events: deque[Event] = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
 
     def record_skip(self, reason: str) -> None:
         self.skipped += 1
         self.skip_reasons.append(reason)
 
-    def __str__(self) -> str:
+    def event(self, row: str, start: float, end: float, kind: str) -> None:
+        self.events.append(Event(row, start, end, kind))
+
+    def verdict(self) -> str:
+        """Which stage bounds the loader, and the knob to turn."""
+        if not self.batches or self.busy_seconds <= 0:
+            return "no batches yet"
+        waited = self.consumer_wait.total / self.busy_seconds
+        if waited < 0.1:
+            return (
+                f"bound by the consumer: it waited for data {waited:.0%} of the time; the loader "
+                "keeps up (prefetch absorbs the jitter)"
+            )
+        workers = max(self.decode_processes, 1)
+        decode_share = self.decode.total / (self.busy_seconds * workers)
+        if decode_share > 0.7:
+            return (
+                f"bound by decode: the {workers} decode process(es) were busy "
+                f"{min(decode_share, 1):.0%} of the time; raise num_workers, or cache decoded "
+                "samples with SharedCache"
+            )
         return (
-            f"{self.samples} samples in {self.batches} batches, {self.bytes_read / 1e6:.1f} MB "
-            f"in {self.requests} requests, {self.retries} retries, {self.skipped} skipped"
+            f"bound by storage: reads take {self.fetch.percentile(50) * 1e3:.1f} ms (p50) with "
+            f"up to {self.concurrency} in flight and decode is busy only {decode_share:.0%}; "
+            "raise concurrency"
         )
+
+    def __str__(self) -> str:
+        seconds = max(self.busy_seconds, 1e-9)
+        lines = [
+            f"{self.samples} samples in {self.batches} batches, {self.samples / seconds:.0f} "
+            f"samples/s; {self.bytes_read / 1e6:.1f} MB in {self.requests} requests, "
+            f"{self.retries} retries, {self.skipped} skipped",
+            f"fetch per sample:      {self.fetch.describe()}",
+            f"decode per sample:     {self.decode.describe()}",
+            f"batch waits in queue:  {self.queue_wait.describe()}",
+            f"consumer waits:        {self.consumer_wait.describe()}",
+            f"batches via shared memory / pickled: {self.transport['shared']} / "
+            f"{self.transport['pickled']}",
+        ]
+        if self.cache:
+            lines.append("cache: " + ", ".join(f"{k} {v:g}" for k, v in self.cache.items()))
+        lines.append(f"verdict: {self.verdict()}")
+        return "\n".join(lines)
+
+
+def now() -> float:
+    """The clock every process's timings use (system-wide monotonic on Linux)."""
+    return time.monotonic()

@@ -27,6 +27,7 @@ import numpy as np
 
 from .errors import WorkerDiedError
 from .sampling import sample_rng
+from .stats import now
 
 CLOSE_GRACE_SECONDS = 2.0
 """How long close() lets a busy decode process finish before it is killed."""
@@ -83,6 +84,10 @@ class ChunkResult:
     """(position in the chunk, traceback) of samples whose decode raised, on_error="skip"."""
     failure: tuple[int | None, str] | None = None
     """(index, traceback) of the first failure with on_error="raise"; index None: collate."""
+    timings: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of each decoded sample, on the clock of `stats.now`."""
+    process: str = "inline"
+    """Which decode process ran the chunk, for the timeline."""
 
 
 def takes_rng(decode: Callable[..., Any] | None) -> bool:
@@ -103,9 +108,11 @@ def takes_rng(decode: Callable[..., Any] | None) -> bool:
 
 def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
     """Decode every raw item of a chunk, then collate them; errors become data, not raises."""
+    info = _worker_info
+    result = ChunkResult([], [], process="inline" if info is None else f"decode {info.id}")
     samples: list[Any] = []
-    skipped: list[tuple[int, str]] = []
     for position, (index, raw) in enumerate(zip(chunk.indices, chunk.raws, strict=True)):
+        started = now()
         try:
             if spec.decode is None:
                 samples.append(raw)
@@ -115,14 +122,19 @@ def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
                 samples.append(spec.decode(raw))
         except Exception:
             if not spec.skip_errors:
-                return ChunkResult([], skipped, (index, traceback.format_exc()))
-            skipped.append((position, traceback.format_exc()))
+                result.failure = (index, traceback.format_exc())
+                return result
+            result.skipped.append((position, traceback.format_exc()))
+            continue
+        result.timings.append((started, now()))
     if spec.collate is None or not samples:
-        return ChunkResult(samples, skipped)
+        result.items = samples
+        return result
     try:
-        return ChunkResult([spec.collate(samples)], skipped)
+        result.items = [spec.collate(samples)]
     except Exception:
-        return ChunkResult([], skipped, (None, traceback.format_exc()))
+        result.failure = (None, traceback.format_exc())
+    return result
 
 
 def _run_in_worker(chunk: Chunk) -> ChunkResult:

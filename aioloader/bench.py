@@ -1,0 +1,47 @@
+"""`aioloader bench`: read a dataset flat out, report samples/s, the stage figures and verdict."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .datasets import Dataset, Files, RecordIO, Stream, TarShards
+from .loader import Loader
+
+
+def dataset_for(urls: list[str]) -> Dataset | Stream:
+    """A .rec (with its .idx when there is one), .tar shards, or one object per URL."""
+    if len(urls) == 1 and urls[0].startswith("@"):
+        urls = Path(urls[0][1:]).read_text().split()
+    if len(urls) == 1 and urls[0].endswith(".rec"):
+        index = urls[0][: -len(".rec")] + ".idx"
+        local = "://" not in index or index.startswith("file://")
+        return RecordIO(urls[0], index if not local or Path(index).exists() else None)
+    if all(url.endswith(".tar") for url in urls):
+        return TarShards(urls)
+    return Files(urls)
+
+
+def bench(
+    urls: list[str],
+    epochs: int = 1,
+    batch_size: int = 64,
+    concurrency: int = 64,
+    num_workers: int = 2,
+    timeline: Path | None = None,
+) -> Loader:
+    loader = Loader(dataset_for(urls), batch_size=batch_size, concurrency=concurrency,
+                    num_workers=num_workers)
+    with loader:
+        for epoch in range(epochs):
+            started, before = time.perf_counter(), loader.stats.samples
+            for _ in tqdm(loader, desc=f"epoch {epoch}", unit="batch", leave=False):
+                pass
+            rate = (loader.stats.samples - before) / (time.perf_counter() - started)
+            print(f"epoch {epoch}: {rate:.0f} samples/s")
+    print(loader.stats)
+    if timeline is not None:
+        print(f"timeline: {loader.timeline(timeline)}")
+    return loader
