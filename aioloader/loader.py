@@ -38,6 +38,8 @@ from .sampling import (
 )
 from .stats import LoaderStats, now
 from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
+from .transport import BlockPool, Slot
+from .transport import available as transport_available
 from .workers import Chunk, ChunkResult, DecodePool, DecodeSpec, ExecutorPool, check_picklable
 
 UNBATCHED_CHUNK = 16
@@ -77,6 +79,7 @@ class Loader(Closing, AsyncClosing):
         retries: int = DEFAULT_RETRIES,
         timeout: float = DEFAULT_TIMEOUT,
         executor: Executor | None = None,
+        shared_memory: bool = True,
     ) -> None:
         if not isinstance(dataset, Stream) and not (
             hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
@@ -134,7 +137,10 @@ class Loader(Closing, AsyncClosing):
         self._resume_at: int | None = None
         self._closed = False
         self._pools = _PoolHolder()
-        weakref.finalize(self, self._pools.close)
+        self._blocks: BlockPool | None = None
+        if shared_memory and num_workers and executor is None and transport_available():
+            self._blocks = BlockPool(max_blocks=self._window() + prefetch + 4)
+        self._finalizer = weakref.finalize(self, _shut_down, self._pools, self._blocks)
 
     # -- epochs and state ------------------------------------------------------------------
 
@@ -189,6 +195,12 @@ class Loader(Closing, AsyncClosing):
         items = call_with_shard_info(self._shard_info(self._epoch), lambda: len(dataset))
         return items // step if self.drop_last else -(-items // step)
 
+    def _window(self) -> int:
+        """Chunks in flight: enough to keep `concurrency` reads busy while every decode
+        process has a chunk; a bound on memory too."""
+        per_chunk = (self.batch_size or 1) * (1 if self.batch_size else UNBATCHED_CHUNK)
+        return -(-self.concurrency // per_chunk) + self.num_workers + 1
+
     def _shard_info(self, epoch: int) -> ShardInfo:
         return ShardInfo(self.rank, self.world_size, epoch, self.seed, self.shuffle)
 
@@ -210,6 +222,8 @@ class Loader(Closing, AsyncClosing):
                 self._epoch, self._position = self._epoch + 1, 0
             if not self.persistent_workers or run.pool.broken:
                 self._pools.close()
+                if self._blocks is not None:
+                    self._blocks.sweep()
 
     async def _iterate(self) -> AsyncIterator[Any]:
         run = await self._open_run()
@@ -244,12 +258,20 @@ class Loader(Closing, AsyncClosing):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the decode processes; idempotent. Iterations in progress end with an error."""
+        """Stop the decode processes and unlink the shared memory; idempotent. Iterations in
+        progress end with an error; batches already handed over stay valid."""
         self._closed = True
-        self._pools.close()
+        self._finalizer()
 
     async def aclose(self) -> None:
         self.close()
+
+
+def _shut_down(pools: _PoolHolder, blocks: BlockPool | None) -> None:
+    """Processes first: none may create a block after the blocks are removed."""
+    pools.close()
+    if blocks is not None:
+        blocks.close()
 
 
 class _PoolHolder:
@@ -309,8 +331,7 @@ class _EpochRun:
         self.finished = False
         self._step_size = loader.batch_size or 1
         self._steps_per_chunk = 1 if loader.batch_size else UNBATCHED_CHUNK
-        chunk_samples = self._step_size * self._steps_per_chunk
-        self._window = -(-loader.concurrency // chunk_samples) + loader.num_workers + 1
+        self._window = loader._window()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=loader.prefetch)
         self._fetch_slots = asyncio.Semaphore(loader.concurrency)
         self._storage = Storage(loader.concurrency, loader.retries, loader.timeout, loader.stats)
@@ -447,8 +468,16 @@ class _EpochRun:
                     raise raw
             raws = fetched
         kept = [n for n, raw in enumerate(raws) if raw is not _SKIPPED]
-        chunk = Chunk(self._epoch, [job.indices[n] for n in kept], [raws[n] for n in kept])
-        result = await self.pool.run(chunk)
+        blocks = self._loader._blocks
+        slot = blocks.lease() if blocks is not None else None
+        chunk = Chunk(self._epoch, [job.indices[n] for n in kept], [raws[n] for n in kept], slot)
+        try:
+            result = await self.pool.run(chunk)
+        except BaseException:
+            if blocks is not None and slot is not None:
+                blocks.release(slot.name)
+            raise
+        self._receive(result, slot)
         for start, end in result.timings:
             self._loader.stats.decode.add(end - start)
             self._loader.stats.event(result.process, start, end, "decode")
@@ -459,6 +488,21 @@ class _EpochRun:
         skipped = {kept[position] for position, _ in result.skipped}
         skipped.update(n for n, raw in enumerate(raws) if raw is _SKIPPED)
         return [(k, _EMPTY if n in skipped else next(decoded)) for n, k in enumerate(job.steps)]
+
+    def _receive(self, result: ChunkResult, slot: Slot | None) -> None:
+        """Map a result's arrays out of its shared block, or give the unused block back."""
+        blocks, transport = self._loader._blocks, self._loader.stats.transport
+        if blocks is not None and slot is not None:
+            if result.shared:
+                result.items = blocks.adopt(result.items, slot)
+                transport["shared"] += 1
+                return
+            if result.needed > slot.size > 0:
+                blocks.retire(slot.name)  # too small for these batches: a fresh one next time
+            else:
+                blocks.release(slot.name)
+        if result.items and self._loader.num_workers:
+            transport["pickled"] += 1
 
     def _account(self, chunk: Chunk, result: ChunkResult, key: Callable[[int], str]) -> None:
         stats = self._loader.stats

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from . import transport
 from .errors import WorkerDiedError
 from .sampling import sample_rng
 from .stats import now
@@ -74,6 +75,8 @@ class Chunk:
     epoch: int
     indices: list[int]
     raws: list[Any]
+    slot: transport.Slot | None = None
+    """A shared-memory block to hand the result back in, when the main process has one."""
 
 
 @dataclass
@@ -88,6 +91,10 @@ class ChunkResult:
     """(start, end) of each decoded sample, on the clock of `stats.now`."""
     process: str = "inline"
     """Which decode process ran the chunk, for the timeline."""
+    shared: bool = False
+    """The items' arrays are in the chunk's slot (SharedArray places in `items`)."""
+    needed: int = 0
+    """Bytes the items' arrays need in shared memory."""
 
 
 def takes_rng(decode: Callable[..., Any] | None) -> bool:
@@ -139,7 +146,15 @@ def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
 
 def _run_in_worker(chunk: Chunk) -> ChunkResult:
     assert _spec is not None, "decode process was not initialised"
-    return run_chunk(_spec, chunk)
+    result = run_chunk(_spec, chunk)
+    if result.items and result.failure is None:
+        result.needed = transport.shared_bytes(result.items)
+        slot = chunk.slot
+        big = result.needed >= transport.SMALL_RESULT
+        if slot is not None and big and transport.fits(slot, result.needed):
+            result.items = transport.write(result.items, slot, result.needed)
+            result.shared = True
+    return result
 
 
 def _warm_up() -> None:

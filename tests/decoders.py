@@ -69,3 +69,8 @@ def as_array(raw: bytes) -> np.ndarray:
 
 def plus_noise(item: int, rng: np.random.Generator) -> tuple[int, float]:
     return item, float(rng.random())
+
+
+def big_image(raw: bytes) -> np.ndarray:
+    """A 3x64x64 float32 image (48 KiB) filled with the sample's index."""
+    return np.full((3, 64, 64), index_of(raw), np.float32)

@@ -1,0 +1,73 @@
+"""Batches through shared memory: right values, never overwritten while held, nothing left
+in /dev/shm."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader import transport
+
+from decoders import SAMPLE_COUNT, big_image, die_on_five
+
+pytestmark = pytest.mark.skipif(not transport.available(), reason="needs /dev/shm (Linux)")
+
+
+def segments() -> set[str]:
+    return {name for name in os.listdir(transport.SHM_DIR) if name.startswith("aioloader-")}
+
+
+def test_large_batches_come_through_shared_memory_unchanged(urls: list[str]) -> None:
+    before = segments()
+    with aioloader.Loader(aioloader.Files(urls), decode=big_image, batch_size=10) as loader:
+        batches = list(loader)
+        assert loader.stats.transport["shared"] > 0
+        assert segments() - before
+    for n, batch in enumerate(batches):
+        assert batch.shape == (10, 3, 64, 64)
+        assert (batch[:, 0, 0, 0] == np.arange(n * 10, n * 10 + 10)).all()
+    assert segments() == before  # unlinked at close, while the batches are still readable
+    assert batches[0][3].sum() == 3 * 64 * 64 * 3
+
+
+def test_kept_batches_never_change_while_blocks_are_reused(urls: list[str]) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=big_image, batch_size=4,
+                              prefetch=1, concurrency=4)
+    kept_all, kept_one = [], None
+    with loader:
+        for epoch in range(2):
+            for batch in loader:
+                if epoch == 0:
+                    kept_all.append(batch)  # holds every block: the pool runs dry, then pickles
+                else:
+                    kept_one = batch  # holds one at a time: blocks are reused
+        assert loader.stats.transport["pickled"] > 0 and loader.stats.transport["shared"] > 0
+        assert loader._blocks is not None
+        assert loader._blocks.segments <= loader._blocks.max_blocks
+    indices = [int(i) for batch in kept_all for i in batch[:, 0, 0, 0]]
+    assert indices == list(range(SAMPLE_COUNT))
+    assert kept_one is not None and int(kept_one[-1, 0, 0, 0]) == SAMPLE_COUNT - 1
+
+
+def test_break_consumer_error_and_killed_worker_leave_no_segments(urls: list[str]) -> None:
+    before = segments()
+    loader = aioloader.Loader(aioloader.Files(urls), decode=big_image, batch_size=4)
+    for n, _ in enumerate(loader):
+        if n == 3:
+            break
+    del loader
+    assert segments() == before
+    with pytest.raises(KeyError), aioloader.Loader(
+        aioloader.Files(urls), decode=big_image, batch_size=4
+    ) as loader:
+        for _ in loader:
+            raise KeyError("consumer bug")
+    assert segments() == before
+    with pytest.raises(aioloader.WorkerDiedError), aioloader.Loader(
+        aioloader.Files(urls), decode=die_on_five, batch_size=4
+    ) as loader:
+        list(loader)
+    assert segments() == before
