@@ -5,6 +5,7 @@ for `async for`, plain `for` and PyTorch.
 """
 
 from . import storage
+from .cache import SharedCache
 from .collate import default_collate
 from .datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
 from .errors import FetchError, LoaderError, SampleError, WorkerDiedError
@@ -25,6 +26,7 @@ __all__ = [
     "RecordIO",
     "SampleError",
     "ShardInfo",
+    "SharedCache",
     "Stream",
     "StreamBatches",
     "TarShards",

@@ -25,6 +25,7 @@ import numpy as np
 
 from ._closing import AsyncClosing, Closing
 from ._loopthread import LoopThread
+from .cache import CACHED, SharedCache
 from .collate import default_collate
 from .datasets import Dataset, Stream
 from .errors import LoaderError, SampleError
@@ -40,7 +41,15 @@ from .stats import LoaderStats, now
 from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
 from .transport import BlockPool, Slot
 from .transport import available as transport_available
-from .workers import Chunk, ChunkResult, DecodePool, DecodeSpec, ExecutorPool, check_picklable
+from .workers import (
+    Chunk,
+    ChunkResult,
+    DecodePool,
+    DecodeSpec,
+    ExecutorPool,
+    check_picklable,
+    takes_rng,
+)
 
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
@@ -80,6 +89,8 @@ class Loader(Closing, AsyncClosing):
         timeout: float = DEFAULT_TIMEOUT,
         executor: Executor | None = None,
         shared_memory: bool = True,
+        augment: Callable[..., Any] | None = None,
+        cache: SharedCache | None = None,
     ) -> None:
         if not isinstance(dataset, Stream) and not (
             hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
@@ -108,7 +119,15 @@ class Loader(Closing, AsyncClosing):
         if executor is not None and worker_init is not None:
             raise ValueError("worker_init runs in the built-in decode processes; with executor=, "
                              "set up the executor's workers yourself")
+        if cache is not None:
+            if isinstance(dataset, Stream):
+                raise ValueError("cache= needs map-style data: a stream has no stable index")
+            if takes_rng(decode):
+                raise ValueError("decode= feeds the cache, so it must not be random: move the "
+                                 "random part into augment=(value, rng)")
+            cache.attach(len(dataset))
         if num_workers or executor is not None:
+            check_picklable("augment", augment)
             check_picklable("decode", decode)
             check_picklable("collate", collate)
             check_picklable("worker_init", worker_init)
@@ -128,7 +147,10 @@ class Loader(Closing, AsyncClosing):
         self.retries = retries
         self.timeout = timeout
         self.stats = LoaderStats()
-        self._spec = DecodeSpec(decode, collate if batch_size else None, on_error == "skip", seed)
+        self.cache = cache
+        self._spec = DecodeSpec(
+            decode, collate if batch_size else None, on_error == "skip", seed, augment, cache
+        )
         self._worker_init = worker_init
         self.executor = executor
         self._epoch = 0
@@ -478,6 +500,8 @@ class _EpochRun:
                 blocks.release(slot.name)
             raise
         self._receive(result, slot)
+        if self._loader.cache is not None:
+            self._loader.stats.cache = self._loader.cache.report()
         for start, end in result.timings:
             self._loader.stats.decode.add(end - start)
             self._loader.stats.event(result.process, start, end, "decode")
@@ -520,6 +544,9 @@ class _EpochRun:
     async def _fetch(self, index: int) -> Any:
         dataset = self._loader.dataset
         assert not isinstance(dataset, Stream)
+        cache = self._loader.cache
+        if cache is not None and cache.lookup(index):
+            return CACHED
         async with self._fetch_slots:
             started = now()
             try:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import transport
+from .cache import CachedSample, SharedCache
 from .errors import WorkerDiedError
 from .sampling import sample_rng
 from .stats import now
@@ -64,10 +65,35 @@ class DecodeSpec:
     """None: deliver samples one by one instead of a batch."""
     skip_errors: bool
     seed: int
+    augment: Callable[..., Any] | None = None
+    """The random step after a cached decode: augment(value) or augment(value, rng)."""
+    cache: SharedCache | None = None
     wants_rng: bool = field(init=False)
+    augment_wants_rng: bool = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "wants_rng", takes_rng(self.decode))
+        object.__setattr__(self, "augment_wants_rng", takes_rng(self.augment))
+
+    def sample(self, epoch: int, index: int, raw: Any) -> Any:
+        """Decode (or take from the cache), then augment: one sample, as the loader gives it."""
+        if isinstance(raw, CachedSample):
+            assert self.cache is not None
+            value = self.cache.get(index)
+        else:
+            if self.decode is None:
+                value = raw
+            elif self.wants_rng:
+                value = self.decode(raw, sample_rng(self.seed, epoch, index))
+            else:
+                value = self.decode(raw)
+            if self.cache is not None:
+                self.cache.put(index, value)
+        if self.augment is None:
+            return value
+        if self.augment_wants_rng:
+            return self.augment(value, sample_rng(self.seed, epoch, index))
+        return self.augment(value)
 
 
 @dataclass
@@ -121,12 +147,7 @@ def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
     for position, (index, raw) in enumerate(zip(chunk.indices, chunk.raws, strict=True)):
         started = now()
         try:
-            if spec.decode is None:
-                samples.append(raw)
-            elif spec.wants_rng:
-                samples.append(spec.decode(raw, sample_rng(spec.seed, chunk.epoch, index)))
-            else:
-                samples.append(spec.decode(raw))
+            samples.append(spec.sample(chunk.epoch, index, raw))
         except Exception:
             if not spec.skip_errors:
                 result.failure = (index, traceback.format_exc())

@@ -1,0 +1,88 @@
+"""SharedCache: decoded samples cached once, shared by the decode processes, capped."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader import transport
+from aioloader.testing import TestServer
+
+from decoders import SAMPLE_COUNT, index_of
+
+pytestmark = pytest.mark.skipif(not transport.available(), reason="needs /dev/shm (Linux)")
+
+
+def decode_once(raw: bytes) -> tuple[np.ndarray, int]:
+    index = index_of(raw)
+    return ((np.arange(256).reshape(16, 16) + index) % 256).astype(np.uint8), index
+
+
+def flip(value: tuple[np.ndarray, int], rng: np.random.Generator) -> dict[str, object]:
+    image, index = value
+    return {"image": image[:, ::-1] if rng.random() < 0.5 else image, "index": index}
+
+
+def segments() -> set[str]:
+    return {n for n in os.listdir(transport.SHM_DIR) if n.startswith("aioloader-cache")}
+
+
+Batches = list[list[tuple[list[int], list[list[int]]]]]
+
+
+def run_epochs(
+    urls: list[str], cache: aioloader.SharedCache | None, epochs: int = 2
+) -> tuple[Batches, dict[str, float]]:
+    loader = aioloader.Loader(aioloader.Files(urls), decode=decode_once, augment=flip,
+                              cache=cache, batch_size=10, shuffle=True, num_workers=2)
+    out: Batches = []
+    with loader:
+        for _ in range(epochs):
+            out.append([(b["index"].tolist(), b["image"][:, 0, :4].tolist()) for b in loader])
+        stats = dict(loader.stats.cache)
+    return out, stats
+
+
+def test_cached_epochs_give_the_same_batches_and_skip_the_reads(
+    server: TestServer, urls: list[str]
+) -> None:
+    reference, _ = run_epochs(urls, None)
+    with aioloader.SharedCache(0.01) as cache:
+        before = server.stats()["requests"]
+        got, stats = run_epochs(urls, cache)
+        assert server.stats()["requests"] - before == SAMPLE_COUNT  # epoch 2 read nothing
+        assert stats["samples"] == SAMPLE_COUNT and stats["hit_rate"] == 0.5
+    assert got == reference
+
+
+def test_samples_beyond_the_limit_are_not_cached(urls: list[str]) -> None:
+    per_sample = 16 * 16 + 200
+    with aioloader.SharedCache(30 * per_sample / 2**30) as cache:
+        _, stats = run_epochs(urls, cache)
+        assert 0 < stats["samples"] < SAMPLE_COUNT and stats["full"] == 1
+        assert stats["fill"] <= 1.0
+
+
+def test_cached_values_are_read_only_and_segments_go_with_close(urls: list[str]) -> None:
+    before = segments()
+    cache = aioloader.SharedCache(0.01)
+    cache.attach(10)
+    assert len(segments() - before) == 2
+    assert cache.put(3, (np.arange(5), "label")) and not cache.put(3, (np.arange(2), "x"))
+    array, label = cache.get(3)
+    assert label == "label" and array.tolist() == [0, 1, 2, 3, 4] and not array.flags.writeable
+    assert 3 in cache and 4 not in cache
+    del array
+    cache.close()
+    assert segments() == before
+
+
+def test_random_decode_with_a_cache_is_refused(urls: list[str]) -> None:
+    def random_decode(raw: bytes, rng: np.random.Generator) -> bytes:
+        return raw
+
+    with aioloader.SharedCache(0.01) as cache, pytest.raises(ValueError, match="augment="):
+        aioloader.Loader(aioloader.Files(urls), decode=random_decode, cache=cache, num_workers=0)
