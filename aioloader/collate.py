@@ -2,49 +2,71 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+Allocate = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 
-def default_collate(samples: Sequence[Any]) -> Any:
+
+def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) -> Any:
     """Stack arrays and scalars along a new first axis, recursing into dicts and sequences.
 
     numpy arrays -> np.stack; bool, int, float (Python or numpy scalars) -> a 1-d array
     (int64 and float64 for Python numbers, as torch does); str and bytes -> a list, as torch does;
     dicts -> a dict of collated values; tuples, namedtuples and lists -> the same type of
-    collated fields. Samples must share one structure.
+    collated fields. Samples must share one structure. `allocate(shape, dtype)`, when given,
+    provides the memory of each stacked array (the loader passes shared memory: one copy less).
     """
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
     first = samples[0]
     if isinstance(first, np.ndarray):
         _check_same_shapes(samples)
-        return np.stack(samples)
-    if isinstance(first, np.generic):
-        return np.array(samples, dtype=first.dtype)
-    if isinstance(first, bool):
-        return np.array(samples, dtype=np.bool_)
-    if isinstance(first, int):
-        return np.array(samples, dtype=np.int64)
-    if isinstance(first, float):
-        return np.array(samples, dtype=np.float64)
+        if allocate is None:
+            return np.stack(samples)
+        return np.stack(samples, out=allocate((len(samples), *first.shape), first.dtype))
+    scalar_type = _scalar_dtype(first)
+    if scalar_type is not None:
+        array = np.array(samples, dtype=scalar_type)
+        if allocate is None:
+            return array
+        out = allocate(array.shape, array.dtype)
+        out[...] = array
+        return out
     if isinstance(first, (str, bytes)):
         return list(samples)
+
+    def collate(part: Sequence[Any]) -> Any:
+        return default_collate(part, allocate)
+
     if isinstance(first, Mapping):
-        collated = {key: default_collate([s[key] for s in samples]) for key in first}
+        collated = {key: collate([s[key] for s in samples]) for key in first}
         return collated if type(first) is dict else type(first)(collated)  # type: ignore[call-arg]
     if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
-        return type(first)(*(default_collate(field) for field in zip(*samples, strict=True)))
+        return type(first)(*(collate(field) for field in zip(*samples, strict=True)))
     if isinstance(first, (tuple, list)):
         if any(len(s) != len(first) for s in samples):
             raise ValueError("each sample in a batch must have the same number of fields")
-        return type(first)(default_collate(field) for field in zip(*samples, strict=True))
+        return type(first)(collate(field) for field in zip(*samples, strict=True))
     raise TypeError(
         f"default_collate does not know how to batch {type(first).__name__}; "
         "pass collate= to the Loader"
     )
+
+
+def _scalar_dtype(value: Any) -> np.dtype[Any] | None:
+    """The dtype a batch of these scalars gets, as torch does; None if not a scalar."""
+    if isinstance(value, np.generic):
+        return value.dtype
+    if isinstance(value, bool):
+        return np.dtype(np.bool_)
+    if isinstance(value, int):
+        return np.dtype(np.int64)
+    if isinstance(value, float):
+        return np.dtype(np.float64)
+    return None
 
 
 def _check_same_shapes(arrays: Sequence[np.ndarray[Any, Any]]) -> None:

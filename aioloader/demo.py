@@ -31,11 +31,12 @@ def default_cache_dir() -> Path:
     return Path(base) / "aioloader"
 
 
-def make_images(folder: Path, count: int, seed: int = 0) -> list[tuple[str, int]]:
-    """JPEGs of varied sizes (quality 90): smooth backgrounds with shapes; class = shape colour.
-
-    Returns (file name, label) pairs; files already there are kept.
-    """
+def make_images(
+    folder: Path, count: int, seed: int = 0, dimensions: tuple[int, int] | None = None
+) -> list[tuple[str, int]]:
+    """JPEGs (quality 90) of varied sizes, or all of `dimensions` (width, height): smooth
+    backgrounds with shapes; class = shape colour. Returns (file name, label) pairs; files
+    already there are kept."""
     from PIL import Image, ImageDraw
     from tqdm import tqdm
 
@@ -45,7 +46,7 @@ def make_images(folder: Path, count: int, seed: int = 0) -> list[tuple[str, int]
     items = []
     for i in tqdm(range(count), desc="making images", unit="img", leave=False):
         label = int(rng.integers(CLASSES))
-        width, height = int(rng.integers(300, 640)), int(rng.integers(240, 480))
+        width, height = dimensions or (int(rng.integers(300, 640)), int(rng.integers(240, 480)))
         name = f"{i:06d}_{label}.jpg"
         items.append((name, label))
         if (folder / name).exists():

@@ -27,6 +27,7 @@ import numpy as np
 
 from . import transport
 from .cache import CachedSample, SharedCache
+from .collate import default_collate
 from .errors import WorkerDiedError
 from .sampling import sample_rng
 from .stats import now
@@ -139,8 +140,11 @@ def takes_rng(decode: Callable[..., Any] | None) -> bool:
     return len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in positional)
 
 
-def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
-    """Decode every raw item of a chunk, then collate them; errors become data, not raises."""
+def run_chunk(
+    spec: DecodeSpec, chunk: Chunk, allocate: transport.BlockAllocator | None = None
+) -> ChunkResult:
+    """Decode every raw item of a chunk, then collate them (into `allocate`'s shared memory
+    when given and the collate is the default one); errors become data, not raises."""
     info = _worker_info
     result = ChunkResult([], [], process="inline" if info is None else f"decode {info.id}")
     samples: list[Any] = []
@@ -159,6 +163,12 @@ def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
         result.items = samples
         return result
     try:
+        if allocate is not None and spec.collate is default_collate:
+            try:
+                result.items = [default_collate(samples, allocate)]
+                return result
+            except transport.NoRoom:
+                allocate.used = 0  # too big for this block: collate as usual, say so
         result.items = [spec.collate(samples)]
     except Exception:
         result.failure = (None, traceback.format_exc())
@@ -167,10 +177,14 @@ def run_chunk(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
 
 def _run_in_worker(chunk: Chunk) -> ChunkResult:
     assert _spec is not None, "decode process was not initialised"
-    result = run_chunk(_spec, chunk)
-    if result.items and result.failure is None:
+    slot = chunk.slot
+    allocate = transport.BlockAllocator(slot) if slot is not None and slot.size else None
+    result = run_chunk(_spec, chunk, allocate)
+    if allocate is not None and allocate.used and result.failure is None:
+        result.items = allocate.places(result.items)  # collated straight into the block
+        result.needed, result.shared = allocate.used, True
+    elif result.items and result.failure is None:
         result.needed = transport.shared_bytes(result.items)
-        slot = chunk.slot
         big = result.needed >= transport.SMALL_RESULT
         if slot is not None and big and transport.fits(slot, result.needed):
             result.items = transport.write(result.items, slot, result.needed)

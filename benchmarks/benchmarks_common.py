@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import requests
 from tqdm import tqdm
 
@@ -29,15 +30,50 @@ class RequestsDataset:
         return self.decode(response.content)
 
 
-def samples_per_second(batches: Iterable[Sized], expected: int, description: str) -> float:
+def samples_per_second(batches: Iterable[Any], expected: int, description: str) -> float:
     """Drain `batches` with a progress bar; check that `expected` samples came."""
     seen = 0
     with tqdm(total=expected, desc=description, leave=False) as progress:
         started = time.perf_counter()
         for batch in batches:
-            seen += len(batch)
-            progress.update(len(batch))
+            size = batch_length(batch)
+            seen += size
+            progress.update(size)
         elapsed = time.perf_counter() - started
     if seen != expected:
         raise RuntimeError(f"{description}: got {seen} samples, expected {expected}")
     return seen / elapsed
+
+
+class LocalImages:
+    """A map-style dataset for PyTorch: (file bytes, label) through `transform`."""
+
+    def __init__(self, paths: list[str], labels: list[int], transform: Callable[..., Any]) -> None:
+        self.paths, self.labels, self.transform = paths, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> Any:
+        with open(self.paths[index], "rb") as file:
+            raw = file.read()
+        return self.transform((raw, self.labels[index]), np.random.default_rng([0, 0, index]))
+
+
+class RemoteImages(RequestsDataset):
+    """(downloaded bytes, label) through `transform`, one blocking GET per item."""
+
+    def __init__(self, urls: list[str], labels: list[int], transform: Callable[..., Any]) -> None:
+        super().__init__(urls, lambda raw: raw)
+        self.labels, self.transform = labels, transform
+
+    def __getitem__(self, index: int) -> Any:
+        raw = super().__getitem__(index)
+        return self.transform((raw, self.labels[index]), np.random.default_rng([0, 0, index]))
+
+
+def batch_length(batch: Any) -> int:
+    """Samples in a batch of dicts (aioloader, DataLoader) or arrays."""
+    if isinstance(batch, dict):
+        return len(next(iter(batch.values())))
+    return len(batch)
