@@ -36,6 +36,10 @@ test: lint system-deps
 bench: $(STAMP)
 	$(BIN)/python benchmarks/remote_latency.py
 	$(BIN)/python benchmarks/formats.py
+	$(BIN)/python benchmarks/decode.py
+	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/cache.py
+	$(BIN)/python benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

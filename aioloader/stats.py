@@ -16,8 +16,8 @@ import numpy as np
 MAX_REMEMBERED_SKIPS = 20
 KEPT_VALUES = 20_000
 """Percentiles are over the most recent values of each stage."""
-KEPT_EVENTS = 200_000
-"""Timeline boxes kept (the most recent)."""
+KEPT_EVENTS = 30_000
+"""Timeline boxes kept (the most recent): enough for a picture, a few MB at most."""
 
 
 class Distribution:

@@ -73,12 +73,14 @@ class Snapshot:
 
 
 def _ours(process: psutil.Process) -> bool:
-    """Python's own helpers (forkserver, resource tracker) live as long as the interpreter."""
+    """Python's own helpers (the forkserver, the resource tracker: our direct children) live as
+    long as the interpreter; the decode processes the forkserver forks are the loader's."""
     try:
         command = " ".join(process.cmdline())
+        helper = process.ppid() == os.getpid()
     except psutil.Error:
         return False
-    return "forkserver" not in command and "resource_tracker" not in command
+    return not (helper and ("forkserver" in command or "resource_tracker" in command))
 
 
 def snapshot() -> Snapshot:

@@ -1,0 +1,90 @@
+"""The loader's own cost: an in-memory dataset with a trivial decode, against PyTorch's
+DataLoader; and the per-batch cost of handing a 64x3x224x224 float32 batch back from a decode
+process by pickle and by shared memory. All figures from this one run.
+
+    python benchmarks/overhead.py
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from benchmarks_common import samples_per_second
+
+import aioloader
+
+SAMPLES = 64 * 400
+BATCH = 64
+
+
+class InMemory(aioloader.Dataset):
+    """Also a map-style dataset for PyTorch (len and getitem)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    async def fetch(self, index: int) -> int:
+        return index
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def trivial(index: int) -> int:
+    return index
+
+
+def image_sized(index: int) -> np.ndarray:
+    return np.full((3, 224, 224), index % 7, np.float32)
+
+
+def aioloader_rate(decode: Any, samples: int, shared_memory: bool = True) -> float:
+    loader = aioloader.Loader(InMemory(samples), decode=decode, batch_size=BATCH, num_workers=2,
+                              persistent_workers=True, shared_memory=shared_memory)
+    with loader:
+        samples_per_second(loader, samples, "warm-up")
+        return samples_per_second(loader, samples, "aioloader")
+
+
+def torch_rate(samples: int) -> float:
+    import torch.utils.data
+
+    loader = torch.utils.data.DataLoader(InMemory(samples), batch_size=BATCH, num_workers=2,
+                                         persistent_workers=True)
+    samples_per_second(loader, samples, "warm-up")
+    return samples_per_second(loader, samples, "DataLoader")
+
+
+def main() -> None:
+    ours, theirs = aioloader_rate(trivial, SAMPLES), torch_rate(SAMPLES)
+    images = 64 * 30
+    pickled = aioloader_rate(image_sized, images, shared_memory=False)
+    shared = aioloader_rate(image_sized, images, shared_memory=True)
+    batch = np.zeros((BATCH, 3, 224, 224), np.float32)
+    import pickle
+
+    started = time.perf_counter()
+    for _ in range(10):
+        pickle.loads(pickle.dumps(batch, protocol=5))
+    pickle_copy = (time.perf_counter() - started) / 10
+
+    print(f"\nin-memory dataset, trivial decode, batch {BATCH}, 2 decode processes, warm "
+          "(second epoch):")
+    print(f"  aioloader            {ours:9.0f} samples/s")
+    print(f"  PyTorch DataLoader   {theirs:9.0f} samples/s   ratio {ours / theirs:.2f}x")
+    print(f"batches of {BATCH}x3x224x224 float32 ({batch.nbytes / 1e6:.0f} MB) from the decode "
+          "processes (decode makes a constant array):")
+    print(f"  pickled through the pipe  {pickled / BATCH:6.1f} batches/s = "
+          f"{1e3 * BATCH / pickled:6.1f} ms per batch")
+    print(f"  shared memory             {shared / BATCH:6.1f} batches/s = "
+          f"{1e3 * BATCH / shared:6.1f} ms per batch")
+    print(f"  (pickle.dumps + loads alone, in one process: {1e3 * pickle_copy:.1f} ms per batch)")
+
+
+if __name__ == "__main__":
+    main()
