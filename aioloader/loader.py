@@ -10,6 +10,7 @@ same run on a loop in a background thread.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import traceback
 import weakref
@@ -38,7 +39,8 @@ from .sampling import (
     steps_in_epoch,
 )
 from .stats import LoaderStats, now
-from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy, Storage
+from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, DiskCache, RetryPolicy, Storage
+from .storage.diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .transport import BlockPool, Slot
 from .transport import available as transport_available
 from .workers import (
@@ -91,6 +93,8 @@ class Loader(Closing, AsyncClosing):
         shared_memory: bool = True,
         augment: Callable[..., Any] | None = None,
         cache: SharedCache | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int = DEFAULT_DISK_CACHE_LIMIT,
     ) -> None:
         if not isinstance(dataset, Stream) and not (
             hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
@@ -148,6 +152,7 @@ class Loader(Closing, AsyncClosing):
         self.timeout = timeout
         self.stats = LoaderStats()
         self.cache = cache
+        self.disk_cache = None if cache_dir is None else DiskCache(cache_dir, cache_limit)
         self._spec = DecodeSpec(
             decode, collate if batch_size else None, on_error == "skip", seed, augment, cache
         )
@@ -356,7 +361,9 @@ class _EpochRun:
         self._window = loader._window()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=loader.prefetch)
         self._fetch_slots = asyncio.Semaphore(loader.concurrency)
-        self._storage = Storage(loader.concurrency, loader.retries, loader.timeout, loader.stats)
+        self._storage = Storage(
+            loader.concurrency, loader.retries, loader.timeout, loader.stats, loader.disk_cache
+        )
         self._delivered = _Progress()
         stats = loader.stats
         stats.concurrency, stats.decode_processes = loader.concurrency, loader.num_workers
@@ -500,8 +507,7 @@ class _EpochRun:
                 blocks.release(slot.name)
             raise
         self._receive(result, slot)
-        if self._loader.cache is not None:
-            self._loader.stats.cache = self._loader.cache.report()
+        self._report_caches()
         for start, end in result.timings:
             self._loader.stats.decode.add(end - start)
             self._loader.stats.event(result.process, start, end, "decode")
@@ -512,6 +518,15 @@ class _EpochRun:
         skipped = {kept[position] for position, _ in result.skipped}
         skipped.update(n for n, raw in enumerate(raws) if raw is _SKIPPED)
         return [(k, _EMPTY if n in skipped else next(decoded)) for n, k in enumerate(job.steps)]
+
+    def _report_caches(self) -> None:
+        loader = self._loader
+        report = {} if loader.cache is None else loader.cache.report()
+        disk = loader.disk_cache
+        if disk is not None:
+            report.update(disk_hits=disk.hits, disk_misses=disk.misses,
+                          disk_gib=round(disk.size / (1 << 30), 4))
+        loader.stats.cache = report
 
     def _receive(self, result: ChunkResult, slot: Slot | None) -> None:
         """Map a result's arrays out of its shared block, or give the unused block back."""

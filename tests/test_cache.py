@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,3 +87,21 @@ def test_random_decode_with_a_cache_is_refused(urls: list[str]) -> None:
 
     with aioloader.SharedCache(0.01) as cache, pytest.raises(ValueError, match="augment="):
         aioloader.Loader(aioloader.Files(urls), decode=random_decode, cache=cache, num_workers=0)
+
+
+def test_disk_cache_serves_epoch_two_and_evicts_least_recently_used(
+    faulty_server: TestServer, tmp_path: Path
+) -> None:
+    urls = [f"{faulty_server.url}{i:04d}.bin" for i in range(40)]
+    loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=8,
+                              cache_dir=tmp_path / "disk", num_workers=0)
+    first = [b.tolist() for b in loader]
+    requests = faulty_server.stats()["requests"]
+    second = [b.tolist() for b in loader]
+    assert faulty_server.stats()["requests"] == requests  # epoch 2 came from disk
+    assert first == second and loader.stats.cache["disk_hits"] == 40
+    small = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=8,
+                             cache_dir=tmp_path / "small", cache_limit=2000, num_workers=0)
+    list(small)
+    kept = list((tmp_path / "small").iterdir())
+    assert 0 < len(kept) < 40 and sum(p.stat().st_size for p in kept) <= 2000

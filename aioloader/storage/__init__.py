@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlsplit
 from .._closing import AsyncClosing
 from ..stats import LoaderStats
 from .coalesce import RangeCoalescer
+from .diskcache import DiskCache
 from .http import HttpStore
 from .local import LocalStore
 from .retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
@@ -22,6 +23,7 @@ from .retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
 __all__ = [
     "DEFAULT_RETRIES",
     "DEFAULT_TIMEOUT",
+    "DiskCache",
     "RetryPolicy",
     "Storage",
     "borrowed",
@@ -67,8 +69,10 @@ class Storage(AsyncClosing):
         retries: int = DEFAULT_RETRIES,
         timeout: float = DEFAULT_TIMEOUT,
         stats: LoaderStats | None = None,
+        disk_cache: DiskCache | None = None,
     ) -> None:
         self.stats = stats if stats is not None else LoaderStats()
+        self._disk_cache = disk_cache
         self._local = LocalStore(max_threads=min(32, concurrency))
         self._http = HttpStore(concurrency, RetryPolicy(retries, timeout), self.stats)
         self._coalescer = RangeCoalescer(self._read)
@@ -103,12 +107,26 @@ class Storage(AsyncClosing):
 
     async def _read(self, url: str, start: int | None, end: int | None) -> bytes:
         path = local_path(url)
-        if path is None:
+        if path is None and self._disk_cache is not None:
+            data = await self._read_through_disk(self._disk_cache, url, start, end)
+        elif path is None:
             data = await self._http.read(url, start, end)
         else:
             data = await self._local.read(path, start, end)
             self.stats.requests += 1
         self.stats.bytes_read += len(data)
+        return data
+
+    async def _read_through_disk(
+        self, cache: DiskCache, url: str, start: int | None, end: int | None
+    ) -> bytes:
+        """Remote bytes from the disk cache, or from the network and then into the cache."""
+        file = cache.path(url, start, end)
+        cached = await self._local.run(cache.get, file)
+        if cached is not None:
+            return cached
+        data = await self._http.read(url, start, end)
+        await self._local.run(cache.put, file, data)
         return data
 
     @contextmanager

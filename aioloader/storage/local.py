@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import aiofiles
 
 from ..errors import FetchError
+
+T = TypeVar("T")
 
 
 def _error(path: str, error: OSError) -> FetchError:
@@ -24,19 +27,21 @@ class LocalStore:
         """One trip to a file thread per read (open, read, close there): aiofiles' awaitable
         file would make three, and at thousands of files a second that is the main
         process's largest cost."""
-        loop = asyncio.get_running_loop()
         try:
-            data = await loop.run_in_executor(self._executor, _read_file, path, start, end)
+            data = await self.run(_read_file, path, start, end)
         except OSError as e:
             raise _error(path, e) from e
         if start is not None and end is not None and len(data) != end - start:
             raise FetchError(path, f"short read: wanted bytes {start}..{end}, got {len(data)}")
         return data
 
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        """Run blocking file work on this store's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
     async def size(self, path: str) -> int:
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, os.path.getsize, path)
+            return await self.run(os.path.getsize, path)
         except OSError as e:
             raise _error(path, e) from e
 
