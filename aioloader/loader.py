@@ -24,6 +24,7 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
+from . import autotune
 from ._closing import AsyncClosing, Closing
 from ._loopthread import LoopThread
 from .cache import CACHED, SharedCache
@@ -77,7 +78,7 @@ class Loader(Closing, AsyncClosing):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
-        concurrency: int = 64,
+        concurrency: int | Literal["auto"] = 64,
         num_workers: int = 2,
         prefetch: int = 4,
         ordered: bool = True,
@@ -104,6 +105,9 @@ class Loader(Closing, AsyncClosing):
                 f"aioloader.Stream (async __aiter__), got {type(dataset).__name__}"
             )
         _check_count("batch_size", batch_size, minimum=1, allow_none=True)
+        self.auto_concurrency = concurrency == "auto"
+        if concurrency == "auto":
+            concurrency = autotune.START
         _check_count("concurrency", concurrency, minimum=1)
         _check_count("num_workers", num_workers, minimum=0)
         _check_count("prefetch", prefetch, minimum=1)
@@ -358,11 +362,16 @@ class _EpochRun:
         self.finished = False
         self._step_size = loader.batch_size or 1
         self._steps_per_chunk = 1 if loader.batch_size else UNBATCHED_CHUNK
-        self._window = loader._window()
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=loader.prefetch)
-        self._fetch_slots = asyncio.Semaphore(loader.concurrency)
+        self._fetch_slots: asyncio.Semaphore | autotune.ReadLimit = asyncio.Semaphore(
+            loader.concurrency
+        )
+        connections = loader.concurrency
+        if loader.auto_concurrency:
+            self._fetch_slots = autotune.ReadLimit(loader.concurrency)
+            connections = autotune.HIGHEST
         self._storage = Storage(
-            loader.concurrency, loader.retries, loader.timeout, loader.stats, loader.disk_cache
+            connections, loader.retries, loader.timeout, loader.stats, loader.disk_cache
         )
         self._delivered = _Progress()
         stats = loader.stats
@@ -377,6 +386,13 @@ class _EpochRun:
                 return asyncio.create_task(self._produce(), name="aioloader-producer")
 
         self._producer = call_with_shard_info(info, start_producer)
+        self._tuner: asyncio.Task[None] | None = None
+        if isinstance(self._fetch_slots, autotune.ReadLimit):
+            tuner = autotune.Tuner(self._fetch_slots, stats, self._use_concurrency)
+            self._tuner = asyncio.create_task(tuner.tune(), name="aioloader-tuner")
+
+    def _use_concurrency(self, limit: int) -> None:
+        self._loader.concurrency = self._loader.stats.concurrency = limit
 
     async def next(self) -> Any:
         """The next batch, or _END; raises the first failure of the run."""
@@ -409,11 +425,11 @@ class _EpochRun:
                 return item
 
     async def aclose(self) -> None:
-        self._producer.cancel()
+        tasks = [t for t in (self._producer, self._tuner) if t is not None]
+        for task in tasks:
+            task.cancel()
         try:
-            await self._producer
-        except asyncio.CancelledError:
-            pass
+            await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             await self._storage.aclose()
 
@@ -424,7 +440,7 @@ class _EpochRun:
         try:
             jobs = self._planned_jobs() if self._plan is not None else self._stream_jobs()
             async for job in jobs:
-                while len(in_flight) >= self._window:
+                while len(in_flight) >= self._loader._window():
                     await self._deliver_one(in_flight)
                 in_flight.append(asyncio.create_task(self._complete(job)))
             while in_flight:

@@ -308,3 +308,14 @@ def test_plain_for_runs_uvloop_when_installed() -> None:
     dataset = LoopSpy()
     assert list(aioloader.Loader(dataset, batch_size=2, num_workers=0))[1].tolist() == [2, 3]
     assert dataset.loops == {"uvloop"}
+
+
+def test_auto_concurrency_grows_while_reads_are_the_bottleneck(sample_dir: Path) -> None:
+    with TestServer(sample_dir, latency_ms=40) as slow:
+        urls = [f"{slow.url}{i:04d}.bin" for i in range(SAMPLE_COUNT)] * 20
+        loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=16,
+                                  concurrency="auto", num_workers=0)
+        with loader:
+            assert len(flat(indices(list(loader)))) == len(urls)
+        assert loader.stats.concurrency > 16
+        assert slow.stats()["max_in_flight"] > 16
