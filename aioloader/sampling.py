@@ -23,10 +23,14 @@ _ORDER_STREAM = 1
 """Spawn key that keeps the order's random stream apart from the per-sample streams."""
 
 
-def epoch_order(length: int, shuffle: bool, seed: int, epoch: int) -> Indices:
+def epoch_order(
+    length: int, shuffle: bool, seed: int, epoch: int, stream: int = _ORDER_STREAM
+) -> Indices:
+    """0..length-1, permuted with (seed, epoch) when shuffling; `stream` keeps the orders of
+    different things (samples, shards, files) independent."""
     if not shuffle:
         return np.arange(length, dtype=np.int64)
-    sequence = np.random.SeedSequence([seed, epoch], spawn_key=(_ORDER_STREAM,))
+    sequence = np.random.SeedSequence([seed, epoch], spawn_key=(stream,))
     return np.random.default_rng(sequence).permutation(length).astype(np.int64)
 
 

@@ -12,11 +12,11 @@ import numpy as np
 
 from .. import storage
 from .._loopthread import run_sync
-from ..sampling import ShardInfo, get_shard_info
+from ..sampling import ShardInfo, epoch_order, get_shard_info
 from .base import Stream
 from .tarshards import expand_braces
 
-_FILE_ORDER_STREAM = 5
+_FILE_ORDER = 5
 
 
 class StreamBatches(Stream):
@@ -78,12 +78,7 @@ class StreamBatches(Stream):
     async def iter_from(self, position: int) -> AsyncGenerator[bytes, None]:
         """Jumps straight to the batch that holds item `position`."""
         info = get_shard_info()
-        order = np.arange(len(self.urls))
-        if info.shuffle:
-            sequence = np.random.SeedSequence(
-                [info.seed, info.epoch], spawn_key=(_FILE_ORDER_STREAM,)
-            )
-            order = np.random.default_rng(sequence).permutation(len(self.urls))
+        order = epoch_order(len(self.urls), info.shuffle, info.seed, info.epoch, _FILE_ORDER)
         files = [(self.urls[i], self.sizes[i]) for i in order]
         segment = sum(self.sizes) // (self.batch_size * info.world_size)
         first_stream = info.rank * self.batch_size

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 
 from .. import storage
-from ..sampling import get_shard_info
+from ..sampling import epoch_order, get_shard_info
 from ..tario import samples, tar_members
 from .base import Stream
 
 _DONE = object()
-_SHARD_ORDER_STREAM, _BUFFER_STREAM = 3, 4
+_SHARD_ORDER, _BUFFER = 3, 4
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -63,12 +63,7 @@ class TarShards(Stream):
 
     def shards_for_this_rank(self) -> list[str]:
         info = get_shard_info()
-        order = np.arange(len(self.urls))
-        if info.shuffle:
-            sequence = np.random.SeedSequence(
-                [info.seed, info.epoch], spawn_key=(_SHARD_ORDER_STREAM,)
-            )
-            order = np.random.default_rng(sequence).permutation(len(self.urls))
+        order = epoch_order(len(self.urls), info.shuffle, info.seed, info.epoch, _SHARD_ORDER)
         return [self.urls[i] for i in order[info.rank :: info.world_size]]
 
     async def __aiter__(self) -> AsyncGenerator[dict[str, Any], None]:
@@ -76,7 +71,7 @@ class TarShards(Stream):
         items = self._read_in_order(self.shards_for_this_rank())
         if info.shuffle and self.shuffle_buffer > 1:
             sequence = np.random.SeedSequence(
-                [info.seed, info.epoch], spawn_key=(_BUFFER_STREAM, info.rank)
+                [info.seed, info.epoch], spawn_key=(_BUFFER, info.rank)
             )
             items = _shuffled(items, self.shuffle_buffer, np.random.default_rng(sequence))
         async with aclosing(items):
