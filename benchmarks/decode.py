@@ -92,6 +92,51 @@ def spdl_rates(paths: list[str], labels: list[int]) -> tuple[float, float] | Non
     return rates[0], rates[1]
 
 
+def spdl_remote_rates(urls: list[str], labels: list[int]) -> tuple[float, float] | None:
+    """SPDL as its users read remote data: an async fetch stage with 128 in flight, then the
+    same decode in a 2-process pool."""
+    try:
+        from spdl.pipeline import PipelineBuilder
+    except ImportError:
+        return None
+    import aiohttp
+
+    sessions: list[aiohttp.ClientSession] = []  # one per epoch: each pipeline has its loop
+
+    async def fetch(index: int) -> tuple[tuple[bytes, int], int]:
+        if not sessions:
+            sessions.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=128)))
+        async with sessions[0].get(urls[index]) as response:
+            return (await response.read(), labels[index]), index
+
+    with ProcessPoolExecutor(2) as executor:
+        rates = []
+        for epoch in range(2):
+            pipeline = (
+                PipelineBuilder()
+                .add_source(np.random.default_rng(epoch).permutation(len(urls)).tolist())
+                .pipe(fetch, concurrency=128)
+                .pipe(_decode_fetched, concurrency=2, executor=executor)
+                .aggregate(BATCH)
+                .pipe(_stack)
+                .add_sink(4)
+                .build(num_threads=2)
+            )
+            with pipeline.auto_stop():
+                rates.append(samples_per_second(pipeline, len(urls), f"SPDL epoch {epoch + 1}"))
+            while sessions:  # its loop has stopped: close the sockets without it
+                connector = sessions[0].connector
+                sessions.pop().detach()
+                if connector is not None:
+                    connector.close()
+    return rates[0], rates[1]
+
+
+def _decode_fetched(item: tuple[tuple[bytes, int], int]) -> dict[str, Any]:
+    raw_and_label, index = item
+    return decode_and_augment(raw_and_label, np.random.default_rng([0, 0, index]))
+
+
 def _stack(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return aioloader.default_collate(samples)
 
@@ -123,6 +168,9 @@ def main() -> None:
                 "PyTorch DataLoader, 2 workers": dataloader_rates(
                     RemoteImages(urls, labels, decode_and_augment)),
             }
+            spdl_remote = spdl_remote_rates(urls, labels)
+            if spdl_remote is not None:
+                remote["SPDL, async fetch x128, 2-process decode pool"] = spdl_remote
 
     ceiling = 2 * single
     print(f"\n{args.images} JPEGs 500x375 q90; decode + random resized crop 224 + flip + "
