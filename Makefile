@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# the local CPU build of torch first, so the torch extra resolves to it
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[image,torch,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[image,torch,s3,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)

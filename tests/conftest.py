@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -53,6 +56,46 @@ def nginx(web_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         pytest.skip("nginx is not installed (apt-get install nginx-light)")
     with Nginx(web_root, tmp_path_factory.mktemp("nginx-state")) as running:
         yield running
+
+
+S3_ENVIRONMENT = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server in its own process on 127.0.0.1; AWS_* variables point at it."""
+    pytest.importorskip("obstore")
+    pytest.importorskip("moto")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in [*S3_ENVIRONMENT, "AWS_ENDPOINT_URL"]}
+    os.environ.update(S3_ENVIRONMENT, AWS_ENDPOINT_URL=endpoint)
+    try:
+        deadline = time.monotonic() + 30
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            if time.monotonic() > deadline or server.poll() is not None:
+                pytest.fail("moto's S3 server did not start")
+            time.sleep(0.1)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(10)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @pytest.fixture

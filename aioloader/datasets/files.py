@@ -26,6 +26,15 @@ class Files(Dataset):
                     f"got {len(self._labels)} labels for {len(self._urls)} files; give one each"
                 )
 
+    @classmethod
+    def from_prefix(cls, prefix: str, labels: Iterable[Any] | None = None) -> Files:
+        """Every object under `s3://bucket/prefix`, in key order."""
+        from ..storage.s3 import list_keys
+
+        if not prefix.startswith("s3://"):
+            raise ValueError(f"from_prefix lists s3:// prefixes, got {prefix!r}")
+        return cls(list_keys(prefix), labels)
+
     def __len__(self) -> int:
         return len(self._urls)
 

@@ -1,4 +1,4 @@
-"""Async byte reads by URL: local paths and file:// (aiofiles), http(s):// (aiohttp).
+"""Async byte reads by URL: local paths and file://, http(s):// (aiohttp), s3:// (obstore).
 
 A loader opens one `Storage` per run and makes it current, so every `fetch` in that run shares
 one connection pool; `read` and `read_range` outside a loader open a short-lived one.
@@ -19,6 +19,7 @@ from .diskcache import DiskCache
 from .http import HttpStore
 from .local import LocalStore
 from .retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
+from .s3 import S3Store
 
 __all__ = [
     "DEFAULT_RETRIES",
@@ -32,7 +33,7 @@ __all__ = [
     "read_range",
 ]
 
-SCHEMES = ("", "file", "http", "https")
+SCHEMES = ("", "file", "http", "https", "s3")
 _current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
     "aioloader_storage", default=None
 )
@@ -45,7 +46,8 @@ def check_url(url: str) -> str:
         scheme = ""
     if scheme not in SCHEMES:
         raise ValueError(
-            f"unknown URL scheme {scheme!r} in {url!r}: use a local path, file://, http:// or https://"
+            f"unknown URL scheme {scheme!r} in {url!r}: use a local path, file://, http://, "
+            "https:// or s3://"
         )
     return url
 
@@ -55,7 +57,7 @@ def local_path(url: str) -> str | None:
     parts = urlsplit(url)
     if parts.scheme == "file":
         return unquote(parts.path)
-    if parts.scheme in ("http", "https"):
+    if parts.scheme in ("http", "https", "s3"):
         return None
     return url
 
@@ -74,8 +76,18 @@ class Storage(AsyncClosing):
         self.stats = stats if stats is not None else LoaderStats()
         self._disk_cache = disk_cache
         self._local = LocalStore(max_threads=min(32, concurrency))
-        self._http = HttpStore(concurrency, RetryPolicy(retries, timeout), self.stats)
+        self._policy = RetryPolicy(retries, timeout)
+        self._http = HttpStore(concurrency, self._policy, self.stats)
+        self._s3: S3Store | None = None
         self._coalescer = RangeCoalescer(self._read)
+
+    def _remote(self, url: str) -> HttpStore | S3Store:
+        """The store for a remote URL: S3 (made on first use: it needs obstore) or HTTP."""
+        if not url.startswith("s3://"):
+            return self._http
+        if self._s3 is None:
+            self._s3 = S3Store(self._policy, self.stats)
+        return self._s3
 
     async def read(self, url: str) -> bytes:
         return await self._read(url, None, None)
@@ -89,7 +101,7 @@ class Storage(AsyncClosing):
     async def size(self, url: str) -> int:
         """The object's size in bytes (a stat, or an HTTP HEAD)."""
         path = local_path(url)
-        return await (self._http.size(url) if path is None else self._local.size(path))
+        return await (self._remote(url).size(url) if path is None else self._local.size(path))
 
     async def stream(
         self, url: str, start: int = 0, end: int | None = None, chunk_size: int = 1 << 20
@@ -97,7 +109,7 @@ class Storage(AsyncClosing):
         """The bytes from `start` to `end` (or the end) in chunks, without holding them all."""
         path = local_path(url)
         chunks = (
-            self._http.stream(url, start, end, chunk_size)
+            self._remote(url).stream(url, start, end, chunk_size)
             if path is None
             else self._local.stream(path, start, end, chunk_size)
         )
@@ -110,7 +122,7 @@ class Storage(AsyncClosing):
         if path is None and self._disk_cache is not None:
             data = await self._read_through_disk(self._disk_cache, url, start, end)
         elif path is None:
-            data = await self._http.read(url, start, end)
+            data = await self._remote(url).read(url, start, end)
         else:
             data = await self._local.read(path, start, end)
             self.stats.requests += 1
@@ -125,7 +137,7 @@ class Storage(AsyncClosing):
         cached = await self._local.run(cache.get, file)
         if cached is not None:
             return cached
-        data = await self._http.read(url, start, end)
+        data = await self._remote(url).read(url, start, end)
         await self._local.run(cache.put, file, data)
         return data
 

@@ -9,7 +9,7 @@ import aiohttp
 
 from ..errors import FetchError
 from ..stats import LoaderStats
-from .retry import RetryPolicy, parse_retry_after
+from .retry import Attempts, RetryPolicy, parse_retry_after
 
 
 class _RetryableStatus(Exception):
@@ -22,31 +22,11 @@ class _RetryableStatus(Exception):
 RETRYABLE = (_RetryableStatus, aiohttp.ClientError, asyncio.TimeoutError)
 
 
-class _Attempts:
-    """The retry budget of one read: counts failures, waits with backoff, gives up with an error
-    that names the URL and the last status."""
-
-    def __init__(self, url: str, policy: RetryPolicy, stats: LoaderStats) -> None:
-        self._url = url
-        self._policy = policy
-        self._stats = stats
-        self._failures = 0
-
-    def reset(self) -> None:
-        self._failures = 0
-
-    async def failed(self, error: BaseException) -> None:
-        status = error.status if isinstance(error, _RetryableStatus) else None
-        if isinstance(error, _RetryableStatus):
-            problem, delay = error.reason, error.delay
-        else:
-            problem, delay = describe(error), None
-        if self._failures >= self._policy.retries:
-            attempts = self._policy.retries + 1
-            raise FetchError(self._url, f"{problem}; gave up after {attempts} attempts", status)
-        await asyncio.sleep(self._policy.backoff(self._failures) if delay is None else delay)
-        self._failures += 1
-        self._stats.retries += 1
+def _classify(error: BaseException) -> tuple[str, int | None, float | None]:
+    """(what went wrong, HTTP status, seconds the server asked to wait) of a retryable fault."""
+    if isinstance(error, _RetryableStatus):
+        return error.reason, error.status, error.delay
+    return describe(error), None, None
 
 
 def is_retryable(status: int) -> bool:
@@ -96,7 +76,7 @@ class HttpStore:
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
         session = self._get_session()
-        attempts = _Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._stats)
         while True:
             try:
                 async with session.get(url, headers=range_header(start, end)) as response:
@@ -105,11 +85,11 @@ class HttpStore:
                     body = await response.read()
                     return _cut_to_range(url, body, response.status, start, end)
             except RETRYABLE as e:
-                await attempts.failed(e)
+                await attempts.failed(*_classify(e))
 
     async def size(self, url: str) -> int:
         session = self._get_session()
-        attempts = _Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._stats)
         while True:
             try:
                 async with session.head(url, allow_redirects=True) as response:
@@ -119,7 +99,7 @@ class HttpStore:
                         raise FetchError(url, "the server sent no Content-Length for HEAD")
                     return response.content_length
             except RETRYABLE as e:
-                await attempts.failed(e)
+                await attempts.failed(*_classify(e))
 
     async def stream(
         self, url: str, start: int, end: int | None, chunk_size: int
@@ -127,7 +107,7 @@ class HttpStore:
         """Chunks of bytes start..end; a broken connection resumes where it stopped, and the
         retry budget counts failures in a row, so a long stream survives many blips."""
         session = self._get_session()
-        attempts = _Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._stats)
         # a stream may run for minutes: bound each wait for data, not the whole response
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self._policy.timeout, sock_read=self._policy.timeout
@@ -156,7 +136,7 @@ class HttpStore:
                     return
                 raise aiohttp.ClientPayloadError(f"body ended at byte {position} of {end}")
             except RETRYABLE as e:
-                await attempts.failed(e)
+                await attempts.failed(*_classify(e))
 
     async def aclose(self) -> None:
         if self._session is not None:

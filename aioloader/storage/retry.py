@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import email.utils
 import random
 import time
 from dataclasses import dataclass
+
+from ..errors import FetchError
+from ..stats import LoaderStats
 
 DEFAULT_RETRIES = 10
 """Ten retries make a 10% fault rate fail a read with odds 1e-11: an epoch of millions survives."""
@@ -46,3 +50,28 @@ def parse_retry_after(value: str | None) -> float | None:
             return None
         seconds = when.timestamp() - time.time()
     return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+class Attempts:
+    """The retry budget of one read: counts failures in a row, waits with backoff (or as long
+    as the server asked), gives up with an error that names the URL and the last status."""
+
+    def __init__(self, url: str, policy: RetryPolicy, stats: LoaderStats) -> None:
+        self._url = url
+        self._policy = policy
+        self._stats = stats
+        self._failures = 0
+
+    def reset(self) -> None:
+        """Progress was made (a stream moved on): the budget starts again."""
+        self._failures = 0
+
+    async def failed(
+        self, problem: str, status: int | None = None, delay: float | None = None
+    ) -> None:
+        if self._failures >= self._policy.retries:
+            attempts = self._policy.retries + 1
+            raise FetchError(self._url, f"{problem}; gave up after {attempts} attempts", status)
+        await asyncio.sleep(self._policy.backoff(self._failures) if delay is None else delay)
+        self._failures += 1
+        self._stats.retries += 1
