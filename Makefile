@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps demo test lint bench clean
+.PHONY: install system-deps demo test lint bench soak clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ system-deps:
 
 test: lint system-deps
 	$(BIN)/pytest -q
+
+# SOAK_MINUTES=30 by default
+soak: $(STAMP)
+	$(BIN)/pytest -m soak -s --timeout=0 tests/test_soak.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/remote_latency.py

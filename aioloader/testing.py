@@ -158,7 +158,7 @@ async def serve(root: Path, host: str, port: int, faults: Faults) -> None:
     runner = web.AppRunner(_FaultyFileServer(root, faults).app(), access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=BACKLOG)
+        site = web.TCPSite(runner, host, port, backlog=BACKLOG, reuse_address=True)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         print(f"{READY_PREFIX}http://{bound_host}:{bound_port}/", flush=True)
@@ -172,9 +172,10 @@ class TestServer(Closing):
 
     __test__ = False  # not a pytest test class
 
-    def __init__(self, root: str | os.PathLike[str], **faults: Any) -> None:
+    def __init__(self, root: str | os.PathLike[str], port: int = 0, **faults: Any) -> None:
+        """`port` 0 picks a free one; give the old port to restart a server in place."""
         options = Faults(**faults)
-        command = [sys.executable, "-m", "aioloader", "serve", str(root), "--port", "0"]
+        command = [sys.executable, "-m", "aioloader", "serve", str(root), "--port", str(port)]
         for field in dataclasses.fields(options):
             value = getattr(options, field.name)
             if value is not None:
@@ -193,6 +194,10 @@ class TestServer(Closing):
     @property
     def pid(self) -> int:
         return self._process.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rstrip("/").rsplit(":", 1)[1])
 
     def set_faults(self, **changes: Any) -> dict[str, Any]:
         """Change latency or fault rates of the running server."""

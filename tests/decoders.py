@@ -74,3 +74,15 @@ def plus_noise(item: int, rng: np.random.Generator) -> tuple[int, float]:
 def big_image(raw: bytes) -> np.ndarray:
     """A 3x64x64 float32 image (48 KiB) filled with the sample's index."""
     return np.full((3, 64, 64), index_of(raw), np.float32)
+
+
+def jpeg_index(item: tuple[bytes, int]) -> int:
+    """Decode a JPEG with Pillow (corrupt ones raise); the label rides along."""
+    import io
+
+    from PIL import Image
+
+    raw, label = item
+    with Image.open(io.BytesIO(raw)) as image:
+        image.load()
+    return label
