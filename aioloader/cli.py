@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--num-workers", type=int, default=2)
     bench.add_argument("--timeline", type=Path, default=None, help="write the timeline PNG here")
 
+    images = commands.add_parser("make-images", help="write demo JPEGs, a sub-folder per class")
+    images.add_argument("folder", type=Path)
+    images.add_argument("--count", type=int, default=1000)
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         faults = Faults(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Faults)})
@@ -76,6 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             count = pack_recordio(args.source, args.out, options, args.processes)
             print(f"wrote {count} records to {args.out} and {args.out.with_suffix('.idx')}")
+    elif args.command == "make-images":
+        from .demo import make_images
+
+        made = make_images(args.folder, args.count, by_class=True)
+        print(f"{len(made)} JPEGs in {args.folder}")
     elif args.command == "bench":
         from .bench import bench as run_bench
 

@@ -32,11 +32,16 @@ def default_cache_dir() -> Path:
 
 
 def make_images(
-    folder: Path, count: int, seed: int = 0, dimensions: tuple[int, int] | None = None
+    folder: Path,
+    count: int,
+    seed: int = 0,
+    dimensions: tuple[int, int] | None = None,
+    by_class: bool = False,
 ) -> list[tuple[str, int]]:
     """JPEGs (quality 90) of varied sizes, or all of `dimensions` (width, height): smooth
-    backgrounds with shapes; class = shape colour. Returns (file name, label) pairs; files
-    already there are kept."""
+    backgrounds with shapes; class = shape colour. `by_class` puts them in a sub-folder per
+    class (as `aioloader pack` reads them). Returns (relative path, label) pairs; files already
+    there are kept."""
     from PIL import Image, ImageDraw
     from tqdm import tqdm
 
@@ -47,10 +52,11 @@ def make_images(
     for i in tqdm(range(count), desc="making images", unit="img", leave=False):
         label = int(rng.integers(CLASSES))
         width, height = dimensions or (int(rng.integers(300, 640)), int(rng.integers(240, 480)))
-        name = f"{i:06d}_{label}.jpg"
+        name = f"class{label}/{i:06d}.jpg" if by_class else f"{i:06d}_{label}.jpg"
         items.append((name, label))
         if (folder / name).exists():
             continue
+        (folder / name).parent.mkdir(exist_ok=True)
         ramp = np.linspace(0, 1, width, dtype=np.float32)[None, :, None]
         base = rng.integers(0, 256, size=(1, 1, 3)) * ramp + rng.integers(0, 128, size=3)
         pixels = np.broadcast_to(base, (height, width, 3)).clip(0, 255).astype(np.uint8)
