@@ -170,7 +170,8 @@ class Loader(Closing, AsyncClosing):
         self._pools = _PoolHolder()
         self._blocks: BlockPool | None = None
         if shared_memory and num_workers and executor is None and transport_available():
-            self._blocks = BlockPool(max_blocks=self._window() + prefetch + 4)
+            most_reads = autotune.HIGHEST if self.auto_concurrency else concurrency
+            self._blocks = BlockPool(max_blocks=self._window(most_reads) + prefetch + 4)
         self._finalizer = weakref.finalize(self, _shut_down, self._pools, self._blocks)
 
     # -- epochs and state ------------------------------------------------------------------
@@ -226,11 +227,11 @@ class Loader(Closing, AsyncClosing):
         items = call_with_shard_info(self._shard_info(self._epoch), lambda: len(dataset))
         return items // step if self.drop_last else -(-items // step)
 
-    def _window(self) -> int:
-        """Chunks in flight: enough to keep `concurrency` reads busy while every decode
-        process has a chunk; a bound on memory too."""
+    def _window(self, reads: int | None = None) -> int:
+        """Chunks in flight: enough to keep `reads` (default: the concurrency now) busy while
+        every decode process has a chunk; a bound on memory too."""
         per_chunk = (self.batch_size or 1) * (1 if self.batch_size else UNBATCHED_CHUNK)
-        return -(-self.concurrency // per_chunk) + self.num_workers + 1
+        return -(-(reads or self.concurrency) // per_chunk) + self.num_workers + 1
 
     def _shard_info(self, epoch: int) -> ShardInfo:
         return ShardInfo(self.rank, self.world_size, epoch, self.seed, self.shuffle)
