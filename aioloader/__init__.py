@@ -4,7 +4,7 @@ Many reads in flight from one event loop, decoding in a process pool, collated n
 for `async for`, plain `for` and PyTorch.
 """
 
-from . import storage
+from . import storage, vision
 from .cache import SharedCache
 from .collate import default_collate
 from .datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
@@ -36,4 +36,5 @@ __all__ = [
     "get_shard_info",
     "get_worker_info",
     "storage",
+    "vision",
 ]

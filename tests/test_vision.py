@@ -1,0 +1,104 @@
+"""aioloader.vision: the steps, reduced JPEG decoding, and image_loader from every source."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader import vision
+from aioloader.packing import pack_recordio, pack_tar
+from aioloader.testing import TestServer
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+def jpeg(width: int, height: int, seed: int = 0) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    PIL.fromarray(pixels).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def image_tree(root: Path, per_class: int = 6) -> None:
+    for label in range(2):
+        (root / f"c{label}").mkdir(parents=True)
+        for i in range(per_class):
+            (root / f"c{label}" / f"{i}.jpg").write_bytes(jpeg(60 + i, 48, seed=label * 10 + i))
+
+
+def test_pipeline_shapes_dtypes_and_determinism() -> None:
+    raw = jpeg(120, 90)
+    for layout, dtype, shape in (("CHW", "float32", (3, 32, 40)), ("HWC", "uint8", (32, 40, 3))):
+        pipeline = vision.Compose([
+            vision.Decode(), vision.RandomResizedCrop((40, 32)), vision.HorizontalFlip(),
+            vision.Layout(layout), vision.Cast(dtype),
+        ])
+        first = pipeline(raw, np.random.default_rng(1))
+        assert first.shape == shape and first.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(first, pipeline(raw, np.random.default_rng(1)))
+    normalised = vision.image_pipeline((3, 16, 16), dtype="float16")(raw, np.random.default_rng(0))
+    assert normalised.shape == (3, 16, 16) and normalised.dtype == np.float16
+    assert abs(float(normalised.astype(np.float32).mean())) < 3
+
+
+def test_mirror_flips_and_mean_image_subtracts() -> None:
+    array = np.arange(2 * 3 * 3).reshape(2, 3, 3).astype(np.uint8)
+    flipped = vision.HorizontalFlip(p=1.0)(array, np.random.default_rng(0))
+    np.testing.assert_array_equal(flipped, array[:, ::-1])
+    mean = np.ones((2, 3, 3), np.float32)
+    np.testing.assert_array_equal(vision.SubtractMeanImage(mean)(array), array - 1.0)
+
+
+def test_a_small_crop_of_a_large_jpeg_decodes_at_reduced_size() -> None:
+    image = vision.Decode()(jpeg(2000, 1500))
+    crop = vision.CenterCrop(224, fraction=1.0)(image)
+    assert crop.size == (224, 224)
+    assert image.size[0] <= 500  # Pillow decoded at 1/4 (or less), not 2000 x 1500
+
+
+@pytest.mark.parametrize("source", ["folder", "rec", "tar", "urls"])
+def test_image_loader_from_every_source(tmp_path: Path, source: str) -> None:
+    image_tree(tmp_path / "images")
+    expected = sorted([0] * 6 + [1] * 6)
+    server = None
+    if source == "folder":
+        where: str | list[str] = str(tmp_path / "images")
+    elif source == "rec":
+        pack_recordio(tmp_path / "images", tmp_path / "train.rec", processes=1)
+        where = str(tmp_path / "train.rec")
+    elif source == "tar":
+        shards = pack_tar(tmp_path / "images", tmp_path / "train.tar", processes=1,
+                          shard_bytes=4096)
+        where = [str(p) for p in shards]
+    else:
+        server = TestServer(tmp_path / "images")
+        names = [f"c{label}/{i}.jpg" for label in range(2) for i in range(6)]
+        where = [server.url + name for name in names]
+    try:
+        labels = [label for label in range(2) for _ in range(6)] if source == "urls" else None
+        loader = vision.image_loader(where, data_shape=(3, 24, 24), batch_size=4, labels=labels,
+                                     num_workers=1)
+        with loader:
+            batches = list(loader)
+    finally:
+        if server is not None:
+            server.close()
+    images = np.concatenate([b[0] for b in batches])
+    got = sorted(int(x) for b in batches for x in b[1])
+    assert images.shape == (12, 3, 24, 24) and images.dtype == np.float32
+    assert got == expected
+
+
+def test_corrupt_images_name_the_key_or_are_skipped(tmp_path: Path) -> None:
+    image_tree(tmp_path / "images", per_class=2)
+    (tmp_path / "images" / "c1" / "9.jpg").write_bytes(jpeg(50, 40)[:200])
+    with pytest.raises(aioloader.LoaderError, match=r"9\.jpg"):
+        list(vision.image_loader(str(tmp_path / "images"), data_shape=(3, 8, 8), batch_size=2,
+                                 shuffle=False, num_workers=0))
+    loader = vision.image_loader(str(tmp_path / "images"), data_shape=(3, 8, 8), batch_size=2,
+                                 num_workers=0, on_error="skip")
+    assert sum(len(b[1]) for b in loader) == 4 and loader.stats.skipped == 1
