@@ -49,18 +49,27 @@ class SharedCache(Closing):
     Pass it as `Loader(..., decode=..., augment=..., cache=SharedCache(8))`: `decode` (raw bytes
     to, say, a uint8 image; no rng) runs once per sample and its output is cached; `augment`
     (the random part) runs every time on the cached value, which is read-only. Cached samples
-    are not fetched again either. The cache belongs to its creator: close it (or use `with`)
-    to remove its segments; Python's resource tracker removes them if the process dies.
+    are not fetched again either. An unnamed cache belongs to its creator: close it (or use
+    `with`) to remove its segments; Python's resource tracker removes them if the process dies.
+
+    With a `name`, the training processes of one machine (one per GPU under torchrun) share
+    one cache: the first to attach makes it, the others join it by name, and the last to
+    detach removes it, also when the others crashed.
     """
 
-    def __init__(self, size_limit_gib: float) -> None:
+    def __init__(self, size_limit_gib: float, name: str | None = None) -> None:
         if not available():
             raise RuntimeError("SharedCache needs /dev/shm (Linux)")
         if not size_limit_gib > 0:
             raise ValueError(f"size_limit_gib must be positive, got {size_limit_gib}")
+        if name is not None and not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"a cache name takes letters, digits, - and _; got {name!r}")
         self.size_limit = int(size_limit_gib * (1 << 30))
-        token = f"/aioloader-cache-{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = name
+        token = f"/aioloader-cache-{name or f'{os.getpid()}-{secrets.token_hex(4)}'}"
         self.names = (token + "-index", token + "-data")
+        self._members_fd = -1
+        """Named caches: a shared flock on this file marks this process as attached."""
         self._remover: weakref.finalize[[tuple[str, str]], SharedCache] | None = None
         """Set in the process that made the segments: removes them on close or collection."""
         self._index: mmap.mmap | None = None
@@ -72,20 +81,45 @@ class SharedCache(Closing):
     # -- set-up -----------------------------------------------------------------------------
 
     def attach(self, capacity: int) -> None:
-        """Create the segments for sample indices 0..capacity-1 (in the creating process)."""
-        if self._index is not None:
-            if capacity > self.capacity:
-                raise ValueError(
-                    f"this cache holds indices below {self.capacity}; the dataset has {capacity}"
-                )
-            return
+        """Create the segments for sample indices 0..capacity-1, or, for a named cache that
+        another process on this machine made already, join it."""
+        if self._index is None and self.name is not None:
+            self._join(capacity)
+        elif self._index is None:
+            self._create(capacity)
+            self._remover = weakref.finalize(self, _remove, self.names)
+            for segment in self.names:
+                resource_tracker.register(segment, "shared_memory")
+        if capacity > self.capacity:
+            raise ValueError(
+                f"this cache holds indices below {self.capacity}; the dataset has {capacity}"
+            )
+
+    def _join(self, capacity: int) -> None:
+        """Attach to the named cache, making it if no process is attached (a cache left by
+        processes that all died is made anew). Attached processes hold a shared flock on the
+        members file; the kernel drops it when a process dies, so the last one to leave, even
+        after crashes of the others, sees it is alone and removes the segments."""
+        members = os.open(SHM_DIR + self.names[0][: -len("-index")] + "-members",
+                          os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(members, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except BlockingIOError:
+            alone = False
+        if alone:
+            _remove_files(self.names)  # whatever is there belonged to no live process
+            self._create(capacity)
+        fcntl.flock(members, fcntl.LOCK_SH)
+        self._members_fd = members
+        self._map()
+
+    def _create(self, capacity: int) -> None:
         index_bytes = _HEADER.size + 16 * capacity
         for name, size in zip(self.names, (index_bytes, self.size_limit), strict=True):
             descriptor = os.open(SHM_DIR + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(descriptor, size)  # sparse: untouched pages cost nothing
             os.close(descriptor)
-            resource_tracker.register(name, "shared_memory")
-        self._remover = weakref.finalize(self, _remove, self.names)
         self._map()
         assert self._index is not None
         _HEADER.pack_into(self._index, 0, capacity, 0, 0, 0)
@@ -104,7 +138,7 @@ class SharedCache(Closing):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.size_limit, self.names = state["size_limit"], state["names"]
-        self._remover = None
+        self.name, self._members_fd, self._remover = None, -1, None
         self._index, self._data, self._index_fd = None, None, -1
         self.hits = self.misses = 0
 
@@ -223,10 +257,32 @@ class SharedCache(Closing):
         self._index, self._data, self._index_fd = None, None, -1
         if self._remover is not None:
             self._remover()
+        if self._members_fd >= 0:
+            self._leave()
+
+    def _leave(self) -> None:
+        """Detach from a named cache; the last process attached removes it."""
+        members, self._members_fd = self._members_fd, -1
+        fcntl.flock(members, fcntl.LOCK_UN)
+        try:
+            fcntl.flock(members, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # others are still attached
+        else:
+            _remove_files(self.names)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(SHM_DIR + self.names[0][: -len("-index")] + "-members")
+        finally:
+            os.close(members)
 
 
-def _remove(names: tuple[str, str]) -> None:
+def _remove_files(names: tuple[str, str]) -> None:
     for name in names:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(SHM_DIR + name)
+
+
+def _remove(names: tuple[str, str]) -> None:
+    _remove_files(names)
+    for name in names:
         resource_tracker.unregister(name, "shared_memory")

@@ -105,3 +105,44 @@ def test_disk_cache_serves_epoch_two_and_evicts_least_recently_used(
     list(small)
     kept = list((tmp_path / "small").iterdir())
     assert 0 < len(kept) < 40 and sum(p.stat().st_size for p in kept) <= 2000
+
+
+def named_segments(name: str) -> set[str]:
+    return {n for n in os.listdir(transport.SHM_DIR) if n.startswith(f"aioloader-cache-{name}")}
+
+
+@pytest.mark.parametrize("ending", ["the other leaves first", "the other is killed"])
+def test_one_named_cache_per_node_removed_by_the_last_process(ending: str) -> None:
+    import multiprocessing
+    import signal
+
+    from decoders import cache_member
+
+    name = f"node-{os.getpid()}-{ending.split()[-1]}"
+    context = multiprocessing.get_context("spawn")
+    commands, replies = context.Queue(), context.Queue()
+    first = aioloader.SharedCache(0.01, name=name)
+    first.attach(10)
+    first.put(1, np.arange(4))
+    other = context.Process(target=cache_member, args=(name, commands, replies))
+    other.start()
+    try:
+        assert replies.get(timeout=60) == [0, 1, 2, 3]  # one copy on the node, seen by both
+        assert replies.get(timeout=60) == "stored"
+        assert first.get(2).tolist() == [0, 1, 2]
+        if ending == "the other is killed":
+            os.kill(other.pid, signal.SIGKILL)
+            other.join(10)
+            assert named_segments(name)  # still in use by the first process
+            first.close()
+        else:
+            first.close()
+            assert named_segments(name)  # the other process still uses it
+            commands.put("close")
+            assert replies.get(timeout=60) == "closed"
+        other.join(10)
+        assert named_segments(name) == set()
+    finally:
+        if other.is_alive():
+            other.kill()
+        first.close()
