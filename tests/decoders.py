@@ -99,3 +99,11 @@ def cache_member(name: str, commands: Any, replies: Any) -> None:
     if commands.get(timeout=60) == "close":
         cache.close()
         replies.put("closed")
+
+
+def slow_decode(raw: bytes) -> int:
+    """20 ms of CPU per sample: a decode-bound loader."""
+    until = time.perf_counter() + 0.02
+    while time.perf_counter() < until:
+        pass
+    return index_of(raw)
