@@ -68,35 +68,37 @@ def dataloader_rates(dataset: Any, workers: int = 2) -> tuple[float, float]:
         len(dataset), f"DataLoader x{workers}")
 
 
+def spdl_epoch(count: int, epoch: int, stages: list[tuple[Any, dict[str, Any]]]) -> float:
+    """One epoch through an SPDL pipeline: shuffled indices, `stages`, batches of 64, stack."""
+    from spdl.pipeline import PipelineBuilder
+
+    builder = PipelineBuilder().add_source(
+        np.random.default_rng(epoch).permutation(count).tolist())
+    for function, options in stages:
+        builder = builder.pipe(function, **options)
+    pipeline = builder.aggregate(BATCH).pipe(_stack).add_sink(4).build(num_threads=2)
+    with pipeline.auto_stop():
+        return samples_per_second(pipeline, count, f"SPDL epoch {epoch + 1}")
+
+
 def spdl_rates(paths: list[str], labels: list[int]) -> tuple[float, float] | None:
-    """SPDL's pipeline: read in threads, decode in a 2-process pool, aggregate, stack."""
+    """SPDL's pipeline: the same dataset read and decoded in a 2-process pool."""
     try:
-        from spdl.pipeline import PipelineBuilder
+        import spdl.pipeline  # noqa: F401
     except ImportError:
         return None
     dataset = LocalImages(paths, labels, decode_and_augment)
     with ProcessPoolExecutor(2) as executor:
-        rates = []
-        for epoch in range(2):
-            pipeline = (
-                PipelineBuilder()
-                .add_source(np.random.default_rng(epoch).permutation(len(paths)).tolist())
-                .pipe(dataset.__getitem__, concurrency=2, executor=executor)
-                .aggregate(BATCH)
-                .pipe(_stack)
-                .add_sink(4)
-                .build(num_threads=2)
-            )
-            with pipeline.auto_stop():
-                rates.append(samples_per_second(pipeline, len(paths), f"SPDL epoch {epoch + 1}"))
-    return rates[0], rates[1]
+        stages = [(dataset.__getitem__, {"concurrency": 2, "executor": executor})]
+        first, second = (spdl_epoch(len(paths), epoch, stages) for epoch in range(2))
+    return first, second
 
 
 def spdl_remote_rates(urls: list[str], labels: list[int]) -> tuple[float, float] | None:
     """SPDL as its users read remote data: an async fetch stage with 128 in flight, then the
     same decode in a 2-process pool."""
     try:
-        from spdl.pipeline import PipelineBuilder
+        import spdl.pipeline  # noqa: F401
     except ImportError:
         return None
     import aiohttp
@@ -109,21 +111,12 @@ def spdl_remote_rates(urls: list[str], labels: list[int]) -> tuple[float, float]
         async with sessions[0].get(urls[index]) as response:
             return (await response.read(), labels[index]), index
 
+    rates = []
     with ProcessPoolExecutor(2) as executor:
-        rates = []
+        stages = [(fetch, {"concurrency": 128}),
+                  (_decode_fetched, {"concurrency": 2, "executor": executor})]
         for epoch in range(2):
-            pipeline = (
-                PipelineBuilder()
-                .add_source(np.random.default_rng(epoch).permutation(len(urls)).tolist())
-                .pipe(fetch, concurrency=128)
-                .pipe(_decode_fetched, concurrency=2, executor=executor)
-                .aggregate(BATCH)
-                .pipe(_stack)
-                .add_sink(4)
-                .build(num_threads=2)
-            )
-            with pipeline.auto_stop():
-                rates.append(samples_per_second(pipeline, len(urls), f"SPDL epoch {epoch + 1}"))
+            rates.append(spdl_epoch(len(urls), epoch, stages))
             while sessions:  # its loop has stopped: close the sockets without it
                 connector = sessions[0].connector
                 sessions.pop().detach()
