@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,14 +19,20 @@ class RequestsDataset:
         self.urls = urls
         self.decode = decode
         self._session: requests.Session | None = None
+        self._session_pid = 0
 
     def __len__(self) -> int:
         return len(self.urls)
 
+    def session(self) -> requests.Session:
+        """One keep-alive session per process: a forked worker must not share its parent's
+        sockets."""
+        if self._session is None or self._session_pid != os.getpid():
+            self._session, self._session_pid = requests.Session(), os.getpid()
+        return self._session
+
     def __getitem__(self, index: int) -> Any:
-        if self._session is None:  # one keep-alive session per worker process
-            self._session = requests.Session()
-        response = self._session.get(self.urls[index], timeout=30)
+        response = self.session().get(self.urls[index], timeout=30)
         response.raise_for_status()
         return self.decode(response.content)
 
@@ -73,7 +80,10 @@ class RemoteImages(RequestsDataset):
 
 
 def batch_length(batch: Any) -> int:
-    """Samples in a batch of dicts (aioloader, DataLoader) or arrays."""
+    """Samples in a batch: of dicts or (images, labels) pairs (aioloader, DataLoader), or an
+    array."""
     if isinstance(batch, dict):
         return len(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)):
+        return len(batch[0])
     return len(batch)

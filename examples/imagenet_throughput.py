@@ -9,6 +9,7 @@ random resized crop 224, mirror, normalise, CHW float32), 2 processes each, on t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -48,10 +49,10 @@ class RecordFile:
                 return file.read(end - start)
         import requests
 
-        if self._session is None:
-            self._session = requests.Session()
+        if self._session is None or self._session[0] != os.getpid():  # not a parent's sockets
+            self._session = (os.getpid(), requests.Session())
         headers = {"Range": f"bytes={start}-{end - 1}"}
-        return self._session.get(self.rec, headers=headers, timeout=30).content
+        return self._session[1].get(self.rec, headers=headers, timeout=30).content
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, float]:
         payload, _ = recordio.decode(self.read(index))
