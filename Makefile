@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/cache.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/reduced_decode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

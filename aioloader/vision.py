@@ -2,9 +2,10 @@
 `image_loader`, MXNet's ImageRecordIter in one call.
 
 Steps pass either a lazily opened Pillow image (straight after `Decode`) or an HWC uint8/float
-numpy array. A crop or resize that meets a lazily opened JPEG first asks Pillow for a reduced
-decode (`draft`: the JPEG's DCT scaling by 1/2, 1/4 or 1/8) whenever the crop still gets at
-least the pixels it needs, so a 224 crop of a large photo does not decode every pixel.
+numpy array. A crop or resize that meets a lazily opened JPEG decodes it reduced (the JPEG's DCT
+scaling by 1/2, 1/4 or 1/8) whenever the crop still gets at least the pixels it needs, so a 224
+crop of a large photo does not decode every pixel; `decode_jpeg` uses simplejpeg where it is
+installed and Pillow's draft mode otherwise.
 Compose steps with `Compose([...])`; it calls each step with the rng when the step takes one.
 """
 
@@ -38,7 +39,27 @@ def to_array(image: Image) -> npt.NDArray[Any]:
     """HWC RGB array of a Pillow image (decoding it if it is still lazy) or an array."""
     if isinstance(image, np.ndarray):
         return image
+    if getattr(image, "format", None) == "JPEG":
+        image = decode_jpeg(image)
     return np.asarray(image.convert("RGB"))
+
+
+def decode_jpeg(image: Any, reduce: int = 1) -> Any:
+    """Decode a JPEG opened lazily by `Decode`, at 1/`reduce` of its size when reduce > 1 (DCT
+    scaling): simplejpeg (libjpeg-turbo) when it is installed, else Pillow's draft mode. The one
+    place a JPEG is decoded, so the decoder is chosen here only."""
+    full_w, full_h = image.size
+    target = (math.ceil(full_w / reduce), math.ceil(full_h / reduce))
+    try:
+        import simplejpeg
+    except ImportError:
+        if reduce > 1:
+            image.draft("RGB", target)
+        return image.convert("RGB")
+    return _pil().fromarray(
+        simplejpeg.decode_jpeg(image.fp.getvalue(), "rgb", min_width=target[0],
+                               min_height=target[1])
+    )
 
 
 def _resize_box(image: Image, box: tuple[int, int, int, int], size: tuple[int, int]) -> Image:
@@ -48,16 +69,13 @@ def _resize_box(image: Image, box: tuple[int, int, int, int], size: tuple[int, i
     if isinstance(image, np.ndarray):
         image = PILImage.fromarray(image)
     elif getattr(image, "format", None) == "JPEG":  # as opened by Decode, not yet decoded
-        crop_w, crop_h = box[2] - box[0], box[3] - box[1]
-        scale = min(crop_w / size[0], crop_h / size[1])
-        if scale >= 2:
-            full_w, full_h = image.size
-            reduce = min(8, 2 ** int(math.log2(scale)))
-            image.draft("RGB", (math.ceil(full_w / reduce), math.ceil(full_h / reduce)))
-            factor_w, factor_h = image.size[0] / full_w, image.size[1] / full_h
-            box = (int(box[0] * factor_w), int(box[1] * factor_h),
-                   max(int(box[0] * factor_w) + 1, int(box[2] * factor_w)),
-                   max(int(box[1] * factor_h) + 1, int(box[3] * factor_h)))
+        full_w, full_h = image.size
+        scale = min((box[2] - box[0]) / size[0], (box[3] - box[1]) / size[1])
+        image = decode_jpeg(image, min(8, 2 ** int(math.log2(scale))) if scale >= 2 else 1)
+        factor_w, factor_h = image.size[0] / full_w, image.size[1] / full_h
+        box = (int(box[0] * factor_w), int(box[1] * factor_h),
+               max(int(box[0] * factor_w) + 1, int(box[2] * factor_w)),
+               max(int(box[1] * factor_h) + 1, int(box[3] * factor_h)))
     return image.convert("RGB").resize(size, PILImage.Resampling.BILINEAR, box=box)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,11 +54,22 @@ def test_mirror_flips_and_mean_image_subtracts() -> None:
     np.testing.assert_array_equal(vision.SubtractMeanImage(mean)(array), array - 1.0)
 
 
-def test_a_small_crop_of_a_large_jpeg_decodes_at_reduced_size() -> None:
-    image = vision.Decode()(jpeg(2000, 1500))
-    crop = vision.CenterCrop(224, fraction=1.0)(image)
-    assert crop.size == (224, 224)
-    assert image.size[0] <= 500  # Pillow decoded at 1/4 (or less), not 2000 x 1500
+@pytest.mark.parametrize("decoder", ["simplejpeg", "pillow"])
+def test_a_small_crop_of_a_large_jpeg_decodes_at_reduced_size(
+    decoder: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if decoder == "pillow":
+        monkeypatch.setitem(sys.modules, "simplejpeg", None)  # as if not installed
+    else:
+        pytest.importorskip("simplejpeg")
+    raw = jpeg(2000, 1500)
+    assert vision.decode_jpeg(vision.Decode()(raw), 4).size == (500, 375)
+    assert vision.decode_jpeg(vision.Decode()(raw)).size == (2000, 1500)
+    crop = vision.CenterCrop(224, fraction=1.0)(vision.Decode()(raw))
+    full = vision.CenterCrop(224, fraction=1.0)(vision.to_array(vision.Decode()(raw)))
+    assert crop.size == full.size == (224, 224)
+    difference = np.abs(np.asarray(crop, np.float32) - np.asarray(full, np.float32)).mean()
+    assert difference < 40  # the same picture, from fewer pixels (noise images differ most)
 
 
 @pytest.mark.parametrize("source", ["folder", "rec", "tar", "urls"])
