@@ -7,21 +7,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .datasets import Dataset, Files, RecordIO, Stream, TarShards
+from .datasets import Dataset, Stream
+from .datasets.sources import for_source
 from .loader import Loader
 
 
 def dataset_for(urls: list[str]) -> Dataset | Stream:
-    """A .rec (with its .idx when there is one), .tar shards, or one object per URL."""
+    """The dataset `datasets.sources.for_source` picks; @FILE reads the URLs from FILE."""
     if len(urls) == 1 and urls[0].startswith("@"):
         urls = Path(urls[0][1:]).read_text().split()
-    if len(urls) == 1 and urls[0].endswith(".rec"):
-        index = urls[0][: -len(".rec")] + ".idx"
-        local = "://" not in index or index.startswith("file://")
-        return RecordIO(urls[0], index if not local or Path(index).exists() else None)
-    if all(url.endswith(".tar") for url in urls):
-        return TarShards(urls)
-    return Files(urls)
+    return for_source(urls)[0]
 
 
 def bench(

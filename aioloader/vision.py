@@ -15,7 +15,6 @@ import io
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -313,25 +312,10 @@ def image_loader(
     (labels from `cls`, or `label` in `json`), an image folder (a sub-folder per class, as
     ImageFolder) or a list of image URLs (`labels=` optional); other Loader arguments pass
     through (num_workers, concurrency, prefetch, cache, ...)."""
-    from .datasets import Dataset, Files, RecordIO, Stream, TarShards
+    from .datasets.sources import for_source
     from .loader import Loader
-    from .packing import list_items
 
-    urls = [source] if isinstance(source, str) else list(source)
-    dataset: Dataset | Stream
-    if all(u.endswith(".rec") for u in urls):
-        indexes = [u[: -len(".rec")] + ".idx" for u in urls]
-        local = all("://" not in i for i in indexes)
-        have_index = not local or all(Path(i).exists() for i in indexes)
-        dataset, kind = RecordIO(urls, indexes if have_index else None), "rec"
-    elif all(".tar" in u for u in urls):
-        dataset, kind = TarShards(urls), "tar"
-    elif len(urls) == 1 and Path(urls[0]).is_dir():
-        items = list_items(Path(urls[0]))
-        dataset = Files([str(i.path) for i in items], [int(i.labels[0]) for i in items])
-        kind = "files"
-    else:
-        dataset, kind = Files(urls, labels), "files"
+    dataset, kind = for_source(source, labels)
     pipeline = image_pipeline(data_shape, rand_crop, rand_mirror, mean, std, dtype)
     return Loader(dataset, decode=_Labelled(pipeline, kind), batch_size=batch_size,
                   shuffle=shuffle, **loader_options)

@@ -11,6 +11,7 @@ as the steady rate (and the first in brackets).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -37,18 +38,10 @@ def one_process_rate(paths: list[str], labels: list[int], count: int = 200) -> f
 
 def two_epochs(make: Any, count: int, what: str) -> tuple[float, float]:
     loader = make()
-    with loader if hasattr(loader, "__enter__") else _nothing():
+    with loader if hasattr(loader, "__enter__") else contextlib.nullcontext():
         first = samples_per_second(loader, count, f"{what} epoch 1")
         second = samples_per_second(loader, count, f"{what} epoch 2")
     return first, second
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def aioloader_rates(urls: list[str], labels: list[int], concurrency: int) -> tuple[float, float]:

@@ -9,6 +9,7 @@ random resized crop 224, mirror, normalise, CHW float32), 2 processes each, on t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -75,17 +76,9 @@ def one_process_rate(dataset: RecordFile, count: int = 150) -> float:
 
 def warm_epoch(make: Any, count: int, what: str) -> float:
     loader = make()
-    with loader if hasattr(loader, "close") else _NoClose():
+    with loader if hasattr(loader, "close") else contextlib.nullcontext():
         samples_per_second(loader, count, f"{what} epoch 1")
         return samples_per_second(loader, count, f"{what} epoch 2")
-
-
-class _NoClose:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def main() -> None:
