@@ -5,14 +5,14 @@ for `async for`, plain `for` and PyTorch.
 """
 
 from . import storage, vision
-from .cache import SharedCache
-from .collate import default_collate
-from .datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
-from .errors import FetchError, LoaderError, SampleError, WorkerDiedError
-from .loader import Loader
-from .sampling import ShardInfo, get_shard_info
-from .stats import LoaderStats
-from .workers import WorkerInfo, get_worker_info
+from ._cache import SharedCache
+from ._collate import default_collate
+from ._datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
+from ._errors import FetchError, LoaderError, SampleError, WorkerDiedError
+from ._loader import Loader
+from ._runtime.workers import WorkerInfo, get_worker_info
+from ._sampling import ShardInfo, get_shard_info
+from ._stats import LoaderStats
 
 __version__ = "0.1.0"
 

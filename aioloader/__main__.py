@@ -1,3 +1,3 @@
-from .cli import main
+from ._tools.cli import main
 
 main()

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from .errors import LoaderError
+from ._errors import LoaderError
 
 T = TypeVar("T")
 POLL_SECONDS = 0.5

@@ -19,7 +19,27 @@ import numpy as np
 import numpy.typing as npt
 
 from ._closing import Closing
-from .errors import LoaderError
+from ._errors import LoaderError
+
+__all__ = [
+    "FIRST",
+    "HEADER",
+    "LAST",
+    "MAGIC",
+    "MAGIC_BYTES",
+    "MAX_LENGTH",
+    "MIDDLE",
+    "WHOLE",
+    "IRHeader",
+    "RecordIOError",
+    "Writer",
+    "decode",
+    "encode",
+    "pack",
+    "read_index",
+    "record_starts",
+    "unpack",
+]
 
 MAGIC = 0xCED7230A
 MAGIC_BYTES = struct.pack("<I", MAGIC)

@@ -30,9 +30,11 @@ from aiohttp import web
 
 from ._closing import Closing
 
-READY_PREFIX = "serving "
-START_TIMEOUT = 30.0
-BACKLOG = 4096
+__all__ = ["Faults", "Nginx", "TestServer", "serve"]
+
+_READY_PREFIX = "serving "
+_START_TIMEOUT = 30.0
+_BACKLOG = 4096
 """Room for hundreds of clients connecting at once (the default 128 drops SYNs: 1 s stalls)."""
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 
@@ -158,10 +160,10 @@ async def serve(root: Path, host: str, port: int, faults: Faults) -> None:
     runner = web.AppRunner(_FaultyFileServer(root, faults).app(), access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, backlog=BACKLOG, reuse_address=True)
+        site = web.TCPSite(runner, host, port, backlog=_BACKLOG, reuse_address=True)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
-        print(f"{READY_PREFIX}http://{bound_host}:{bound_port}/", flush=True)
+        print(f"{_READY_PREFIX}http://{bound_host}:{bound_port}/", flush=True)
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
@@ -185,11 +187,11 @@ class TestServer(Closing):
 
     def _wait_until_ready(self) -> str:
         assert self._process.stdout is not None
-        line = _readline_with_timeout(self._process, START_TIMEOUT)
-        if not line.startswith(READY_PREFIX):
+        line = _readline_with_timeout(self._process, _START_TIMEOUT)
+        if not line.startswith(_READY_PREFIX):
             self.close()
             raise RuntimeError(f"test server did not start: {line!r}")
-        return line[len(READY_PREFIX) :].strip()
+        return line[len(_READY_PREFIX) :].strip()
 
     @property
     def pid(self) -> int:
@@ -237,7 +239,7 @@ def _readline_with_timeout(process: subprocess.Popen[str], timeout: float) -> st
     return process.stdout.readline()
 
 
-NGINX_CONFIG = """
+_NGINX_CONFIG = """
 {user}
 daemon off;
 worker_processes 1;
@@ -271,9 +273,9 @@ class Nginx(Closing):
         state_dir.mkdir(parents=True, exist_ok=True)
         port = _free_port()
         config = state_dir / "nginx.conf"
-        config.write_text(NGINX_CONFIG.format(
+        config.write_text(_NGINX_CONFIG.format(
             user="user root;" if os.geteuid() == 0 else "",
-            state=state_dir, port=port, backlog=BACKLOG, root=Path(root).resolve(),
+            state=state_dir, port=port, backlog=_BACKLOG, root=Path(root).resolve(),
         ))
         self._process = subprocess.Popen(
             [binary, "-c", str(config), "-p", str(state_dir), "-e", str(state_dir / "error.log")]
@@ -282,7 +284,7 @@ class Nginx(Closing):
         self._wait_until_listening(port, state_dir)
 
     def _wait_until_listening(self, port: int, state: Path) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + _START_TIMEOUT
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 log = (state / "error.log").read_text() if (state / "error.log").exists() else ""
@@ -292,7 +294,7 @@ class Nginx(Closing):
                     return
             time.sleep(0.05)
         self.close()
-        raise RuntimeError(f"nginx did not listen on port {port} within {START_TIMEOUT} s")
+        raise RuntimeError(f"nginx did not listen on port {port} within {_START_TIMEOUT} s")
 
     def close(self) -> None:
         if self._process.poll() is None:

@@ -14,7 +14,7 @@ import torch
 import torch.utils.data
 
 from ._closing import Closing
-from .loader import Loader
+from ._loader import Loader
 
 __all__ = ["TorchLoader", "as_iterable_dataset", "to_tensors"]
 

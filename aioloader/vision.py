@@ -20,7 +20,26 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .workers import takes_rng
+from ._runtime.workers import takes_rng
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "Cast",
+    "CenterCrop",
+    "Compose",
+    "Decode",
+    "HorizontalFlip",
+    "Layout",
+    "Normalize",
+    "RandomResizedCrop",
+    "Resize",
+    "SubtractMeanImage",
+    "decode_jpeg",
+    "image_loader",
+    "image_pipeline",
+    "to_array",
+]
 
 Image = Any
 """A Pillow image or an HWC numpy array."""
@@ -312,8 +331,8 @@ def image_loader(
     (labels from `cls`, or `label` in `json`), an image folder (a sub-folder per class, as
     ImageFolder) or a list of image URLs (`labels=` optional); other Loader arguments pass
     through (num_workers, concurrency, prefetch, cache, ...)."""
-    from .datasets.sources import for_source
-    from .loader import Loader
+    from ._datasets.sources import for_source
+    from ._loader import Loader
 
     dataset, kind = for_source(source, labels)
     pipeline = image_pipeline(data_shape, rand_crop, rand_mirror, mean, std, dtype)

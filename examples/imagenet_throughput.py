@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from aioloader import recordio, vision
-from aioloader.demo import make_images
-from aioloader.packing import pack_recordio
+from aioloader._tools.demo import make_images
+from aioloader._tools.packing import pack_recordio
 from aioloader.testing import TestServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))

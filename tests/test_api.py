@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
+import types
 
 import pytest
 
 import aioloader
-from aioloader.datasets.keys import KeyTable
+from aioloader._datasets.keys import KeyTable
 
 from decoders import index_of
 
@@ -17,11 +19,32 @@ CONTRACT = {
 }
 
 
+DOCUMENTED_SUBMODULES = ["recordio", "storage", "testing", "torch", "vision"]
+
+
 def test_public_surface_is_what_all_says() -> None:
     assert set(aioloader.__all__) >= CONTRACT
     for name in aioloader.__all__:
         assert hasattr(aioloader, name), name
     assert sorted(aioloader.__all__) == aioloader.__all__
+    public = {name for name in dir(aioloader) if not name.startswith("_")}
+    modules = set(DOCUMENTED_SUBMODULES)
+    assert public - modules == set(aioloader.__all__) - modules
+
+
+@pytest.mark.parametrize("name", DOCUMENTED_SUBMODULES)
+def test_documented_submodules_define_nothing_public_outside_all(name: str) -> None:
+    if name == "torch":
+        pytest.importorskip("torch")
+    module = importlib.import_module(f"aioloader.{name}")
+    exported = set(module.__all__)
+    assert all(hasattr(module, n) for n in exported)
+    defined_here = {
+        n for n, value in vars(module).items()
+        if not n.startswith("_") and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", None) == module.__name__
+    }
+    assert defined_here <= exported, sorted(defined_here - exported)
 
 
 def test_import_does_not_import_torch() -> None:
@@ -65,7 +88,7 @@ def test_keys_cost_their_bytes_not_python_objects() -> None:
 
 
 def test_decode_taking_an_rng_is_recognised() -> None:
-    from aioloader.workers import takes_rng
+    from aioloader._runtime.workers import takes_rng
 
     def with_default(raw: bytes, rng: object = None) -> bytes:
         return raw

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader import transport
+from aioloader._runtime import transport
 from aioloader.testing import TestServer
 
 from decoders import SAMPLE_COUNT, index_of

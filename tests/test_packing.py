@@ -11,7 +11,7 @@ import pytest
 
 import aioloader
 from aioloader import recordio
-from aioloader.packing import ImageOptions, pack_recordio, pack_tar
+from aioloader._tools.packing import ImageOptions, pack_recordio, pack_tar
 
 Image = pytest.importorskip("PIL.Image")
 

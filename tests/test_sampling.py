@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioloader.sampling import EpochPlan, epoch_order, steps_in_epoch
+from aioloader._sampling import EpochPlan, epoch_order, steps_in_epoch
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from aioloader import FetchError, storage
+from aioloader.storage._storage import Storage, check_url
 from aioloader.testing import TestServer
 
 from decoders import sample_bytes
@@ -34,7 +35,7 @@ async def test_http_read_and_range(server: TestServer) -> None:
 
 async def test_404_names_url_and_status_without_retrying(faulty_server: TestServer) -> None:
     url = faulty_server.url + "missing.bin"
-    async with storage.Storage() as reads:
+    async with Storage() as reads:
         with pytest.raises(FetchError) as caught:
             await reads.read(url)
     assert caught.value.status == 404 and url in str(caught.value) and "404" in str(caught.value)
@@ -49,7 +50,7 @@ async def test_faults_are_retried_until_every_read_succeeds(
     faulty_server: TestServer, fault: dict[str, float]
 ) -> None:
     faulty_server.set_faults(**fault)
-    async with storage.Storage(concurrency=16) as reads:
+    async with Storage(concurrency=16) as reads:
         for i in range(60):
             assert await reads.read(f"{faulty_server.url}{i:04d}.bin") == sample_bytes(i)
     counts = faulty_server.stats()
@@ -61,7 +62,7 @@ async def test_faults_are_retried_until_every_read_succeeds(
 async def test_retry_budget_spent_names_url_and_status(faulty_server: TestServer) -> None:
     faulty_server.set_faults(error_rate=1.0)
     url = faulty_server.url + "0001.bin"
-    async with storage.Storage(retries=2) as reads:
+    async with Storage(retries=2) as reads:
         with pytest.raises(FetchError) as caught:
             await reads.read(url)
     assert url in str(caught.value) and "503" in str(caught.value)
@@ -72,7 +73,7 @@ async def test_retry_budget_spent_names_url_and_status(faulty_server: TestServer
 async def test_retry_after_is_honoured(faulty_server: TestServer) -> None:
     faulty_server.set_faults(error_rate=1.0, retry_after=0.4)
     started = time.monotonic()
-    async with storage.Storage(retries=2) as reads:
+    async with Storage(retries=2) as reads:
         with pytest.raises(FetchError):
             await reads.read(faulty_server.url + "0001.bin")
     assert time.monotonic() - started >= 0.8  # two waits of the 0.4 s the server asked for
@@ -81,11 +82,11 @@ async def test_retry_after_is_honoured(faulty_server: TestServer) -> None:
 async def test_stalled_server_times_out_with_a_clear_error(faulty_server: TestServer) -> None:
     faulty_server.set_faults(stall_rate=1.0, stall_seconds=30)
     url = faulty_server.url + "0001.bin"
-    async with storage.Storage(retries=1, timeout=0.3) as reads:
+    async with Storage(retries=1, timeout=0.3) as reads:
         with pytest.raises(FetchError, match="timed out"):
             await reads.read(url)
 
 
 def test_unknown_scheme_is_refused_with_advice() -> None:
     with pytest.raises(ValueError, match=r"unknown URL scheme 'ftp'.*http://"):
-        storage.check_url("ftp://example/x.bin")
+        check_url("ftp://example/x.bin")

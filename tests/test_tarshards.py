@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 import aioloader
-from aioloader.datasets.tarshards import expand_braces
-from aioloader.tario import TarFormatError
+from aioloader._datasets.tarshards import expand_braces
+from aioloader._tar import TarFormatError
 from aioloader.testing import Nginx, TestServer
 
 

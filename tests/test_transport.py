@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader import transport
+from aioloader._runtime import transport
 
 from decoders import SAMPLE_COUNT, big_image, die_on_five
 

@@ -11,7 +11,7 @@ import pytest
 
 import aioloader
 from aioloader import vision
-from aioloader.packing import pack_recordio, pack_tar
+from aioloader._tools.packing import pack_recordio, pack_tar
 from aioloader.testing import TestServer
 
 PIL = pytest.importorskip("PIL.Image")

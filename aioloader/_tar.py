@@ -11,7 +11,7 @@ import tarfile
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from .errors import LoaderError
+from ._errors import LoaderError
 
 BLOCK = 512
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)

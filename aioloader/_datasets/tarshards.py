@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import storage
-from ..sampling import epoch_order, get_shard_info
-from ..tario import samples, tar_members
+from .._sampling import epoch_order, get_shard_info
+from .._tar import samples, tar_members
+from ..storage import _storage as storage
 from .base import Stream
 
 _DONE = object()

@@ -14,9 +14,9 @@ from collections.abc import AsyncGenerator
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import FetchError
-from ..stats import LoaderStats
-from .retry import Attempts, RetryPolicy
+from .._errors import FetchError
+from .._stats import LoaderStats
+from ._retry import Attempts, RetryPolicy
 
 
 def split(url: str) -> tuple[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from .stats import Event
+from .._stats import Event
 
 COLOURS = {"fetch": "tab:blue", "decode": "tab:orange", "step": "tab:green", "wait": "tab:red"}
 LABELS = {"fetch": "reading a sample", "decode": "decoding a sample",

@@ -22,7 +22,7 @@ from multiprocessing import resource_tracker
 from typing import Any
 
 from ._closing import Closing
-from .transport import SHM_DIR, available
+from ._runtime.transport import SHM_DIR, available
 
 _HEADER = struct.Struct("<qqqq")
 """capacity, bytes used, entries, full (0/1)."""

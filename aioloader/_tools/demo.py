@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .datasets import Files
-from .loader import Loader
-from .testing import TestServer
-from .workers import process_context
+from .._datasets import Files
+from .._loader import Loader
+from .._runtime.workers import process_context
+from ..testing import TestServer
 
 CLASSES = 10
 CROP = 224

@@ -7,8 +7,8 @@ import contextlib
 import dataclasses
 from pathlib import Path
 
-from ._loopthread import new_event_loop
-from .testing import Faults, serve
+from .._loopthread import new_event_loop
+from ..testing import Faults, serve
 
 
 def main(argv: list[str] | None = None) -> None:

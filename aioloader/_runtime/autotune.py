@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .stats import LoaderStats, now
+from .._stats import LoaderStats, now
 
 START, LOWEST, HIGHEST = 16, 4, 1024
 INTERVAL = 0.5

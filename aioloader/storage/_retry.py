@@ -8,8 +8,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from ..errors import FetchError
-from ..stats import LoaderStats
+from .._errors import FetchError
+from .._stats import LoaderStats
 
 DEFAULT_RETRIES = 10
 """Ten retries make a 10% fault rate fail a read with odds 1e-11: an epoch of millions survives."""

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from . import recordio
-from .datasets import RecordIO, TarShards
-from .loader import Loader
+from .. import recordio
+from .._datasets import RecordIO, TarShards
+from .._loader import Loader
 
 
 def summarize(path: Path, first: int = 5) -> str:

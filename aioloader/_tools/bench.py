@@ -7,9 +7,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .datasets import Dataset, Stream
-from .datasets.sources import for_source
-from .loader import Loader
+from .._datasets import Dataset, Stream
+from .._datasets.sources import for_source
+from .._loader import Loader
 
 
 def dataset_for(urls: list[str]) -> Dataset | Stream:

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .. import storage
 from .._loopthread import run_sync
 from ..recordio import FIRST, HEADER, MAGIC, MAX_LENGTH, WHOLE, RecordIOError, decode, read_index
+from ..storage import _storage as storage
 from .base import Dataset
 from .keys import KeyTable
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from .._cache import CachedSample, SharedCache
+from .._collate import default_collate
+from .._errors import WorkerDiedError
+from .._sampling import sample_rng
+from .._stats import now
 from . import transport
-from .cache import CachedSample, SharedCache
-from .collate import default_collate
-from .errors import WorkerDiedError
-from .sampling import sample_rng
-from .stats import now
 
 CLOSE_GRACE_SECONDS = 2.0
 """How long close() lets a busy decode process finish before it is killed."""

@@ -24,27 +24,16 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
-from . import autotune
+from ._cache import CACHED, SharedCache
 from ._closing import AsyncClosing, Closing
+from ._collate import default_collate
+from ._datasets import Dataset, Stream
+from ._errors import LoaderError, SampleError
 from ._loopthread import LoopThread
-from .cache import CACHED, SharedCache
-from .collate import default_collate
-from .datasets import Dataset, Stream
-from .errors import LoaderError, SampleError
-from .sampling import (
-    EpochPlan,
-    ShardInfo,
-    call_with_shard_info,
-    default_rank_and_world_size,
-    epoch_order,
-    steps_in_epoch,
-)
-from .stats import LoaderStats, now
-from .storage import DEFAULT_RETRIES, DEFAULT_TIMEOUT, DiskCache, RetryPolicy, Storage
-from .storage.diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
-from .transport import BlockPool, Slot
-from .transport import available as transport_available
-from .workers import (
+from ._runtime import autotune
+from ._runtime.transport import BlockPool, Slot
+from ._runtime.transport import available as transport_available
+from ._runtime.workers import (
     Chunk,
     ChunkResult,
     DecodePool,
@@ -53,6 +42,19 @@ from .workers import (
     check_picklable,
     takes_rng,
 )
+from ._sampling import (
+    EpochPlan,
+    ShardInfo,
+    call_with_shard_info,
+    default_rank_and_world_size,
+    epoch_order,
+    steps_in_epoch,
+)
+from ._stats import LoaderStats, now
+from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
+from .storage._diskcache import DiskCache
+from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
+from .storage._storage import Storage
 
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
@@ -283,7 +285,7 @@ class Loader(Closing, AsyncClosing):
     def timeline(self, path: str | Path) -> Path:
         """Draw what the loader did (the most recent events) as a PNG at `path`; needs
         matplotlib. Reads overlap in the fetch row: darker means more in flight."""
-        from .timeline import draw
+        from ._tools.timeline import draw
 
         return draw(self.stats.events, path, title=self.stats.verdict())
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import storage
 from .._loopthread import run_sync
-from ..sampling import ShardInfo, epoch_order, get_shard_info
+from .._sampling import ShardInfo, epoch_order, get_shard_info
+from ..storage import _storage as storage
 from .base import Stream
 from .tarshards import expand_braces
 

@@ -28,7 +28,7 @@ def for_source(
     if all(url.endswith(".tar") for url in urls):
         return TarShards(urls), "tar"
     if len(urls) == 1 and Path(urls[0]).is_dir():
-        from ..packing import list_items
+        from .._tools.packing import list_items
 
         items = list_items(Path(urls[0]))
         return Files([str(i.path) for i in items], [int(i.labels[0]) for i in items]), "files"

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .. import storage
+from ..storage import _storage as storage
 from .base import Dataset
 from .keys import KeyTable
 
@@ -29,7 +29,7 @@ class Files(Dataset):
     @classmethod
     def from_prefix(cls, prefix: str, labels: Iterable[Any] | None = None) -> Files:
         """Every object under `s3://bucket/prefix`, in key order."""
-        from ..storage.s3 import list_keys
+        from ..storage._s3 import list_keys
 
         if not prefix.startswith("s3://"):
             raise ValueError(f"from_prefix lists s3:// prefixes, got {prefix!r}")

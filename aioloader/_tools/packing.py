@@ -16,9 +16,9 @@ from typing import BinaryIO
 
 from tqdm import tqdm
 
-from . import recordio
-from ._closing import Closing
-from .workers import process_context
+from .. import recordio
+from .._closing import Closing
+from .._runtime.workers import process_context
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import aiofiles
 
-from ..errors import FetchError
+from .._errors import FetchError
 
 T = TypeVar("T")
 

@@ -7,9 +7,9 @@ from collections.abc import AsyncGenerator
 
 import aiohttp
 
-from ..errors import FetchError
-from ..stats import LoaderStats
-from .retry import Attempts, RetryPolicy, parse_retry_after
+from .._errors import FetchError
+from .._stats import LoaderStats
+from ._retry import Attempts, RetryPolicy, parse_retry_after
 
 
 class _RetryableStatus(Exception):

@@ -1,0 +1,1 @@
+"""The runtime: passes, the decode pool, shared memory; private."""

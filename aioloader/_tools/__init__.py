@@ -1,0 +1,1 @@
+"""The command line and its tools (demo, serve, bench, pack, inspect, timeline); private."""

@@ -1,0 +1,170 @@
+"""`Storage`: reads for one event loop, through the right store for each URL.
+
+A loader opens one `Storage` per run and makes it current, so every `fetch` in that run shares
+one connection pool; `read` and `read_range` outside a loader open a short-lived one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from urllib.parse import unquote, urlsplit
+
+from .._closing import AsyncClosing
+from .._stats import LoaderStats
+from ._coalesce import RangeCoalescer
+from ._diskcache import DiskCache
+from ._http import HttpStore
+from ._local import LocalStore
+from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
+from ._s3 import S3Store
+
+SCHEMES = ("", "file", "http", "https", "s3")
+_current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
+    "aioloader_storage", default=None
+)
+
+
+def check_url(url: str) -> str:
+    """Return `url` if some store can read it, else raise a ValueError that says what can."""
+    scheme = urlsplit(url).scheme.lower()
+    if len(scheme) == 1 and os.name == "nt":  # a Windows drive letter, not a scheme
+        scheme = ""
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"unknown URL scheme {scheme!r} in {url!r}: use a local path, file://, http://, "
+            "https:// or s3://"
+        )
+    return url
+
+
+def local_path(url: str) -> str | None:
+    """The file-system path a local URL names, or None for a remote URL."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        return unquote(parts.path)
+    if parts.scheme in ("http", "https", "s3"):
+        return None
+    return url
+
+
+class Storage(AsyncClosing):
+    """Reads for one event loop: one HTTP session and one file thread pool, closed together."""
+
+    def __init__(
+        self,
+        concurrency: int = 64,
+        retries: int = DEFAULT_RETRIES,
+        timeout: float = DEFAULT_TIMEOUT,
+        stats: LoaderStats | None = None,
+        disk_cache: DiskCache | None = None,
+    ) -> None:
+        self.stats = stats if stats is not None else LoaderStats()
+        self._disk_cache = disk_cache
+        self._local = LocalStore(max_threads=min(32, concurrency))
+        self._policy = RetryPolicy(retries, timeout)
+        self._http = HttpStore(concurrency, self._policy, self.stats)
+        self._s3: S3Store | None = None
+        self._coalescer = RangeCoalescer(self._read)
+
+    def _remote(self, url: str) -> HttpStore | S3Store:
+        """The store for a remote URL: S3 (made on first use: it needs obstore) or HTTP."""
+        if not url.startswith("s3://"):
+            return self._http
+        if self._s3 is None:
+            self._s3 = S3Store(self._policy, self.stats)
+        return self._s3
+
+    async def read(self, url: str) -> bytes:
+        return await self._read(url, None, None)
+
+    async def read_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes `start` up to, not including, `end`; neighbouring ranges read together."""
+        if not 0 <= start <= end:
+            raise ValueError(f"bad byte range {start}..{end} for {url}")
+        return await self._coalescer.read(url, start, end)
+
+    async def size(self, url: str) -> int:
+        """The object's size in bytes (a stat, or an HTTP HEAD)."""
+        path = local_path(url)
+        return await (self._remote(url).size(url) if path is None else self._local.size(path))
+
+    async def stream(
+        self, url: str, start: int = 0, end: int | None = None, chunk_size: int = 1 << 20
+    ) -> AsyncGenerator[bytes, None]:
+        """The bytes from `start` to `end` (or the end) in chunks, without holding them all."""
+        path = local_path(url)
+        chunks = (
+            self._remote(url).stream(url, start, end, chunk_size)
+            if path is None
+            else self._local.stream(path, start, end, chunk_size)
+        )
+        async for chunk in chunks:
+            self.stats.bytes_read += len(chunk)
+            yield chunk
+
+    async def _read(self, url: str, start: int | None, end: int | None) -> bytes:
+        path = local_path(url)
+        if path is None and self._disk_cache is not None:
+            data = await self._read_through_disk(self._disk_cache, url, start, end)
+        elif path is None:
+            data = await self._remote(url).read(url, start, end)
+        else:
+            data = await self._local.read(path, start, end)
+            self.stats.requests += 1
+        self.stats.bytes_read += len(data)
+        return data
+
+    async def _read_through_disk(
+        self, cache: DiskCache, url: str, start: int | None, end: int | None
+    ) -> bytes:
+        """Remote bytes from the disk cache, or from the network and then into the cache."""
+        file = cache.path(url, start, end)
+        cached = await self._local.run(cache.get, file)
+        if cached is not None:
+            return cached
+        data = await self._remote(url).read(url, start, end)
+        await self._local.run(cache.put, file, data)
+        return data
+
+    @contextmanager
+    def as_current(self) -> Iterator[Storage]:
+        """Make this the storage that module-level `read` uses in this context."""
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+    async def aclose(self) -> None:
+        try:
+            await self._coalescer.aclose()
+            await self._http.aclose()
+        finally:
+            self._local.close()
+
+
+@asynccontextmanager
+async def borrowed() -> AsyncIterator[Storage]:
+    """The running loader's storage in this context, or a short-lived one of our own."""
+    storage = _current.get()
+    if storage is not None:
+        yield storage
+        return
+    async with Storage(concurrency=8) as own:
+        with own.as_current():
+            yield own
+
+
+async def read(url: str) -> bytes:
+    """All bytes at `url`, through the running loader's storage when there is one."""
+    async with borrowed() as storage:
+        return await storage.read(url)
+
+
+async def read_range(url: str, start: int, end: int) -> bytes:
+    """Bytes `start` up to, not including, `end` at `url`."""
+    async with borrowed() as storage:
+        return await storage.read_range(url, start, end)
