@@ -374,7 +374,7 @@ class _EpochRun:
             self._fetch_slots = autotune.ReadLimit(loader.concurrency)
             connections = autotune.HIGHEST
         self._storage = Storage(
-            connections, loader.retries, loader.timeout, loader.stats, loader.disk_cache
+            connections, loader.retries, loader.timeout, loader.stats.storage, loader.disk_cache
         )
         self._delivered = _Progress()
         stats = loader.stats

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .storage._counters import StorageCounters
+
 MAX_REMEMBERED_SKIPS = 20
 KEPT_VALUES = 20_000
 """Percentiles are over the most recent values of each stage."""
@@ -56,9 +58,6 @@ class LoaderStats:
 
     samples: int = 0
     batches: int = 0
-    bytes_read: int = 0
-    requests: int = 0
-    retries: int = 0
     skipped: int = 0
     skip_reasons: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_REMEMBERED_SKIPS))
     fetch: Distribution = field(default_factory=Distribution)
@@ -78,6 +77,20 @@ class LoaderStats:
     """Batches handed back through shared memory and through pickles."""
     cache: dict[str, float] = field(default_factory=dict)
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
+    storage: StorageCounters = field(default_factory=StorageCounters)
+    """The storage's own counters, shared by every pass's storage; read, never written here."""
+
+    @property
+    def requests(self) -> int:
+        return self.storage.requests
+
+    @property
+    def retries(self) -> int:
+        return self.storage.retries
+
+    @property
+    def bytes_read(self) -> int:
+        return self.storage.bytes_read
 
     def record_skip(self, reason: str) -> None:
         self.skipped += 1

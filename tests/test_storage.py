@@ -40,7 +40,7 @@ async def test_404_names_url_and_status_without_retrying(faulty_server: TestServ
             await reads.read(url)
     assert caught.value.status == 404 and url in str(caught.value) and "404" in str(caught.value)
     assert faulty_server.stats()["requests"] == 1
-    assert reads.stats.retries == 0
+    assert reads.counters.retries == 0
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,7 @@ async def test_faults_are_retried_until_every_read_succeeds(
     counts = faulty_server.stats()
     injected = sum(counts.get(k, 0) for k in ("errors", "throttles", "drops"))
     assert injected > 0
-    assert reads.stats.retries == injected
+    assert reads.counters.retries == injected
 
 
 async def test_retry_budget_spent_names_url_and_status(faulty_server: TestServer) -> None:

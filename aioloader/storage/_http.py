@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 import aiohttp
 
 from .._errors import FetchError
-from .._stats import LoaderStats
+from ._counters import StorageCounters
 from ._retry import Attempts, RetryPolicy, parse_retry_after
 
 
@@ -57,10 +57,12 @@ def range_header(start: int | None, end: int | None) -> dict[str, str]:
 class HttpStore:
     """One aiohttp session per event loop run; created on the first HTTP read."""
 
-    def __init__(self, max_connections: int, policy: RetryPolicy, stats: LoaderStats) -> None:
+    def __init__(
+        self, max_connections: int, policy: RetryPolicy, counters: StorageCounters
+    ) -> None:
         self._max_connections = max_connections
         self._policy = policy
-        self._stats = stats
+        self._counters = counters
         self._session: aiohttp.ClientSession | None = None
 
     def _get_session(self) -> aiohttp.ClientSession:
@@ -76,11 +78,11 @@ class HttpStore:
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
         session = self._get_session()
-        attempts = Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._counters)
         while True:
             try:
                 async with session.get(url, headers=range_header(start, end)) as response:
-                    self._stats.requests += 1
+                    self._counters.requests += 1
                     check_status(url, response)
                     body = await response.read()
                     return _cut_to_range(url, body, response.status, start, end)
@@ -89,11 +91,11 @@ class HttpStore:
 
     async def size(self, url: str) -> int:
         session = self._get_session()
-        attempts = Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._counters)
         while True:
             try:
                 async with session.head(url, allow_redirects=True) as response:
-                    self._stats.requests += 1
+                    self._counters.requests += 1
                     check_status(url, response)
                     if response.content_length is None:
                         raise FetchError(url, "the server sent no Content-Length for HEAD")
@@ -107,7 +109,7 @@ class HttpStore:
         """Chunks of bytes start..end; a broken connection resumes where it stopped, and the
         retry budget counts failures in a row, so a long stream survives many blips."""
         session = self._get_session()
-        attempts = Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._counters)
         # a stream may run for minutes: bound each wait for data, not the whole response
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self._policy.timeout, sock_read=self._policy.timeout
@@ -118,7 +120,7 @@ class HttpStore:
                 ranged = end is not None or position > 0
                 headers = range_header(position if ranged else None, end)
                 async with session.get(url, headers=headers, timeout=timeout) as response:
-                    self._stats.requests += 1
+                    self._counters.requests += 1
                     check_status(url, response)
                     skip = position if response.status == 200 else 0  # server ignored Range
                     async for chunk in response.content.iter_chunked(chunk_size):

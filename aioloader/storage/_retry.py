@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 
 from .._errors import FetchError
-from .._stats import LoaderStats
+from ._counters import StorageCounters
 
 DEFAULT_RETRIES = 10
 """Ten retries make a 10% fault rate fail a read with odds 1e-11: an epoch of millions survives."""
@@ -56,10 +56,10 @@ class Attempts:
     """The retry budget of one read: counts failures in a row, waits with backoff (or as long
     as the server asked), gives up with an error that names the URL and the last status."""
 
-    def __init__(self, url: str, policy: RetryPolicy, stats: LoaderStats) -> None:
+    def __init__(self, url: str, policy: RetryPolicy, counters: StorageCounters) -> None:
         self._url = url
         self._policy = policy
-        self._stats = stats
+        self._counters = counters
         self._failures = 0
 
     def reset(self) -> None:
@@ -74,4 +74,4 @@ class Attempts:
             raise FetchError(self._url, f"{problem}; gave up after {attempts} attempts", status)
         await asyncio.sleep(self._policy.backoff(self._failures) if delay is None else delay)
         self._failures += 1
-        self._stats.retries += 1
+        self._counters.retries += 1

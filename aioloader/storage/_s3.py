@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .._errors import FetchError
-from .._stats import LoaderStats
+from ._counters import StorageCounters
 from ._retry import Attempts, RetryPolicy
 
 
@@ -52,9 +52,9 @@ def make_store(bucket: str, timeout: float | None = None) -> Any:
 class S3Store:
     """One obstore store per bucket, made on first use."""
 
-    def __init__(self, policy: RetryPolicy, stats: LoaderStats) -> None:
+    def __init__(self, policy: RetryPolicy, counters: StorageCounters) -> None:
         self._policy = policy
-        self._stats = stats
+        self._counters = counters
         self._stores: dict[str, Any] = {}
         self._obstore = import_obstore()
 
@@ -76,10 +76,10 @@ class S3Store:
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
         store, key = self._locate(url)
-        attempts = Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._counters)
         while True:
             try:
-                self._stats.requests += 1
+                self._counters.requests += 1
                 if start is None:
                     result = await self._obstore.get_async(store, key)
                     return bytes(await result.bytes_async())
@@ -90,10 +90,10 @@ class S3Store:
 
     async def size(self, url: str) -> int:
         store, key = self._locate(url)
-        attempts = Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._counters)
         while True:
             try:
-                self._stats.requests += 1
+                self._counters.requests += 1
                 return int((await self._obstore.head_async(store, key))["size"])
             except Exception as e:
                 await self._attempt(url, attempts, e)
@@ -103,11 +103,11 @@ class S3Store:
     ) -> AsyncGenerator[bytes, None]:
         """Chunks of bytes start..end; a broken stream resumes where it stopped."""
         store, key = self._locate(url)
-        attempts = Attempts(url, self._policy, self._stats)
+        attempts = Attempts(url, self._policy, self._counters)
         position = start
         while end is None or position < end:
             try:
-                self._stats.requests += 1
+                self._counters.requests += 1
                 window = {"range": {"offset": position} if end is None else (position, end)}
                 result = await self._obstore.get_async(store, key, options=window)
                 async for chunk in result.stream(min_chunk_size=chunk_size):

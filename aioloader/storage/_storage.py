@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager, contextmanager
 from urllib.parse import unquote, urlsplit
 
 from .._closing import AsyncClosing
-from .._stats import LoaderStats
 from ._coalesce import RangeCoalescer
+from ._counters import StorageCounters
 from ._diskcache import DiskCache
 from ._http import HttpStore
 from ._local import LocalStore
@@ -58,14 +58,14 @@ class Storage(AsyncClosing):
         concurrency: int = 64,
         retries: int = DEFAULT_RETRIES,
         timeout: float = DEFAULT_TIMEOUT,
-        stats: LoaderStats | None = None,
+        counters: StorageCounters | None = None,
         disk_cache: DiskCache | None = None,
     ) -> None:
-        self.stats = stats if stats is not None else LoaderStats()
+        self.counters = counters if counters is not None else StorageCounters()
         self._disk_cache = disk_cache
         self._local = LocalStore(max_threads=min(32, concurrency))
         self._policy = RetryPolicy(retries, timeout)
-        self._http = HttpStore(concurrency, self._policy, self.stats)
+        self._http = HttpStore(concurrency, self._policy, self.counters)
         self._s3: S3Store | None = None
         self._coalescer = RangeCoalescer(self._read)
 
@@ -74,7 +74,7 @@ class Storage(AsyncClosing):
         if not url.startswith("s3://"):
             return self._http
         if self._s3 is None:
-            self._s3 = S3Store(self._policy, self.stats)
+            self._s3 = S3Store(self._policy, self.counters)
         return self._s3
 
     async def read(self, url: str) -> bytes:
@@ -102,7 +102,7 @@ class Storage(AsyncClosing):
             else self._local.stream(path, start, end, chunk_size)
         )
         async for chunk in chunks:
-            self.stats.bytes_read += len(chunk)
+            self.counters.bytes_read += len(chunk)
             yield chunk
 
     async def _read(self, url: str, start: int | None, end: int | None) -> bytes:
@@ -113,8 +113,8 @@ class Storage(AsyncClosing):
             data = await self._remote(url).read(url, start, end)
         else:
             data = await self._local.read(path, start, end)
-            self.stats.requests += 1
-        self.stats.bytes_read += len(data)
+            self.counters.requests += 1
+        self.counters.bytes_read += len(data)
         return data
 
     async def _read_through_disk(
