@@ -8,9 +8,16 @@ from . import storage, vision
 from ._cache import SharedCache
 from ._collate import default_collate
 from ._datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
-from ._errors import FetchError, LoaderError, SampleError, WorkerDiedError
+from ._errors import (
+    DecodeTimeoutError,
+    FetchError,
+    LoaderError,
+    SampleError,
+    StallError,
+    WorkerDiedError,
+)
 from ._loader import Loader
-from ._runtime.workers import WorkerInfo, get_worker_info
+from ._runtime.worker import WorkerInfo, get_worker_info
 from ._sampling import ShardInfo, get_shard_info
 from ._stats import LoaderStats
 
@@ -18,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Dataset",
+    "DecodeTimeoutError",
     "FetchError",
     "Files",
     "Loader",
@@ -27,6 +35,7 @@ __all__ = [
     "SampleError",
     "ShardInfo",
     "SharedCache",
+    "StallError",
     "Stream",
     "StreamBatches",
     "TarShards",

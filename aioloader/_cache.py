@@ -1,31 +1,41 @@
 """SharedCache: decoded samples in shared memory, used by every decode process.
 
-Two segments in /dev/shm: an index (a header and one (offset, length) entry per sample) and the
-data, filled front to back. A sample is stored the first time it is decoded, as a pickle with
-its arrays out of band, and read back as read-only arrays over the shared memory, without a
-copy. Once the data segment is full, further samples are simply not cached ("stochastic"
-caching: which samples stay depends on the order they first came). Appends take an flock on the
-index segment, so any process that maps the segments by name can share them.
+Two segments: an index (a header and one (offset, length) entry per sample) and the data,
+filled front to back. A sample is stored the first time it is decoded and read back as
+read-only arrays over the shared memory, without a copy. Once the data segment is full, further
+samples are simply not cached ("stochastic" caching: which samples stay depends on the order
+they first came). Appends take an flock on the index segment, so any process that maps the
+segments can share them.
+
+The cache holds data, never code: an entry is a JSON description of the value (arrays, numpy
+scalars, bytes, str, numbers, None, and lists, tuples and dicts of these) plus raw buffers, so
+reading a cache cannot run anything. Segments are used only after checking that they are this
+user's, with mode 0600; pages are reserved before they are written, so a full /dev/shm stops
+the caching instead of killing a process with SIGBUS.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import mmap
 import os
-import pickle
-import secrets
 import struct
+import warnings
 import weakref
-from multiprocessing import resource_tracker
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from ._closing import Closing
-from ._runtime.transport import SHM_DIR, available
+from ._runtime import shm
 
 _HEADER = struct.Struct("<qqqq")
 """capacity, bytes used, entries, full (0/1)."""
+_ENTRY = struct.Struct("<qq")
+_DESCRIPTION = struct.Struct("<q")
 _ALIGN = 64
 
 
@@ -43,6 +53,49 @@ class CachedSample:
 CACHED = CachedSample()
 
 
+class Uncacheable(TypeError):
+    """A value holds something the cache does not store (only data: arrays, numbers, text...)."""
+
+
+def _describe(value: Any, buffers: list[memoryview]) -> Any:
+    """A JSON-able description of `value`, its arrays and bytes appended to `buffers`."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    if isinstance(value, (bytes, bytearray)):
+        buffers.append(memoryview(value))
+        return {"b": len(buffers) - 1}
+    if isinstance(value, np.ndarray | np.generic):
+        array = np.ascontiguousarray(value)
+        if array.dtype.hasobject:
+            raise Uncacheable("arrays of Python objects")
+        buffers.append(array.reshape(-1).view(np.uint8).data)
+        kind = "a" if isinstance(value, np.ndarray) else "g"
+        return {kind: [len(buffers) - 1, array.dtype.str, list(array.shape)]}
+    if type(value) in (list, tuple):
+        return {"l" if type(value) is list else "t": [_describe(v, buffers) for v in value]}
+    if type(value) is dict and all(isinstance(k, (str, int)) for k in value):
+        return {"d": [[k, _describe(v, buffers)] for k, v in value.items()]}
+    raise Uncacheable(type(value).__name__)
+
+
+def _rebuild(description: Any, buffers: list[memoryview]) -> Any:
+    (kind, content), = description.items()
+    if kind == "v":
+        return content
+    if kind == "b":
+        return bytes(buffers[content])
+    if kind in ("a", "g"):
+        number, dtype, shape = content
+        array: npt.NDArray[Any] = np.frombuffer(buffers[number], np.dtype(dtype)).reshape(shape)
+        return array if kind == "a" else array[()]
+    if kind in ("l", "t"):
+        items = [_rebuild(v, buffers) for v in content]
+        return items if kind == "l" else tuple(items)
+    if kind == "d":
+        return {k: _rebuild(v, buffers) for k, v in content}
+    raise ValueError(f"unknown cache entry kind {kind!r}")
+
+
 class SharedCache(Closing):
     """Up to `size_limit_gib` GiB of decoded samples, shared by every decode process.
 
@@ -50,46 +103,58 @@ class SharedCache(Closing):
     to, say, a uint8 image; no rng) runs once per sample and its output is cached; `augment`
     (the random part) runs every time on the cached value, which is read-only. Cached samples
     are not fetched again either. An unnamed cache belongs to its creator: close it (or use
-    `with`) to remove its segments; Python's resource tracker removes them if the process dies.
+    `with`) to remove its segments; they are removed too if the process dies.
 
     With a `name`, the training processes of one machine (one per GPU under torchrun) share
     one cache: the first to attach makes it, the others join it by name, and the last to
-    detach removes it, also when the others crashed.
+    detach removes it, also when the others crashed or were killed. Segments that exist under
+    the name but are not this user's (mode 0600) are refused.
     """
 
     def __init__(self, size_limit_gib: float, name: str | None = None) -> None:
-        if not available():
+        if not shm.available():
             raise RuntimeError("SharedCache needs /dev/shm (Linux)")
         if not size_limit_gib > 0:
             raise ValueError(f"size_limit_gib must be positive, got {size_limit_gib}")
         if name is not None and not name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"a cache name takes letters, digits, - and _; got {name!r}")
         self.size_limit = int(size_limit_gib * (1 << 30))
+        free = shm.free_bytes()
+        if self.size_limit > free:
+            raise ValueError(
+                f"a SharedCache of {self.size_limit / 2**30:.2f} GiB does not fit in /dev/shm, "
+                f"which has {free / 2**30:.2f} GiB free; ask for less, or grow /dev/shm "
+                "(docker run --shm-size=...)"
+            )
         self.name = name
-        token = f"/aioloader-cache-{name or f'{os.getpid()}-{secrets.token_hex(4)}'}"
-        self.names = (token + "-index", token + "-data")
+        stem = f"aioloader-u{os.geteuid()}-cache-{name}" if name else shm.new_name("cache")
+        self.names = (stem + "-index", stem + "-data")
         self._members_fd = -1
         """Named caches: a shared flock on this file marks this process as attached."""
         self._remover: weakref.finalize[[tuple[str, str]], SharedCache] | None = None
-        """Set in the process that made the segments: removes them on close or collection."""
+        """Set in the process that made an unnamed cache: removes it on close or collection."""
         self._index: mmap.mmap | None = None
         self._data: mmap.mmap | None = None
         self._index_fd = -1
+        self._data_fd = -1
         self.hits = 0
         self.misses = 0
+        self.uncacheable = 0
 
     # -- set-up -----------------------------------------------------------------------------
 
     def attach(self, capacity: int) -> None:
         """Create the segments for sample indices 0..capacity-1, or, for a named cache that
         another process on this machine made already, join it."""
+        from ._runtime.zygote import Zygote
+
         if self._index is None and self.name is not None:
             self._join(capacity)
+            Zygote.get().watch_cache(self.name, True)
         elif self._index is None:
+            Zygote.get()  # removes the segments should this process die
             self._create(capacity)
-            self._remover = weakref.finalize(self, _remove, self.names)
-            for segment in self.names:
-                resource_tracker.register(segment, "shared_memory")
+            self._remover = weakref.finalize(self, _remove_files, self.names)
         if capacity > self.capacity:
             raise ValueError(
                 f"this cache holds indices below {self.capacity}; the dataset has {capacity}"
@@ -100,26 +165,28 @@ class SharedCache(Closing):
         processes that all died is made anew). Attached processes hold a shared flock on the
         members file; the kernel drops it when a process dies, so the last one to leave, even
         after crashes of the others, sees it is alone and removes the segments."""
-        members = os.open(SHM_DIR + self.names[0][: -len("-index")] + "-members",
-                          os.O_CREAT | os.O_RDWR, 0o600)
+        assert self.name is not None
+        members = _open_members(self.name)
         try:
             fcntl.flock(members, fcntl.LOCK_EX | fcntl.LOCK_NB)
             alone = True
         except BlockingIOError:
             alone = False
-        if alone:
-            _remove_files(self.names)  # whatever is there belonged to no live process
-            self._create(capacity)
-        fcntl.flock(members, fcntl.LOCK_SH)
+        try:
+            if alone:
+                _remove_files(self.names)  # whatever is there belonged to no live process
+                self._create(capacity)
+            fcntl.flock(members, fcntl.LOCK_SH)
+            self._map()
+        except BaseException:
+            os.close(members)
+            raise
         self._members_fd = members
-        self._map()
 
     def _create(self, capacity: int) -> None:
-        index_bytes = _HEADER.size + 16 * capacity
-        for name, size in zip(self.names, (index_bytes, self.size_limit), strict=True):
-            descriptor = os.open(SHM_DIR + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(descriptor, size)  # sparse: untouched pages cost nothing
-            os.close(descriptor)
+        index_bytes = _HEADER.size + _ENTRY.size * capacity
+        shm.create(self.names[0], index_bytes).close()
+        shm.create(self.names[1], self.size_limit, reserved=False).close()  # filled lazily
         self._map()
         assert self._index is not None
         _HEADER.pack_into(self._index, 0, capacity, 0, 0, 0)
@@ -127,10 +194,10 @@ class SharedCache(Closing):
     def _map(self) -> None:
         if self._index is not None:
             return
-        self._index_fd = os.open(SHM_DIR + self.names[0], os.O_RDWR)
+        self._index_fd = shm.open_owned(self.names[0])
+        self._data_fd = shm.open_owned(self.names[1])
         self._index = mmap.mmap(self._index_fd, 0)
-        with open(SHM_DIR + self.names[1], "r+b") as file:
-            self._data = mmap.mmap(file.fileno(), 0)
+        self._data = mmap.mmap(self._data_fd, 0)
 
     def __getstate__(self) -> dict[str, Any]:
         """Decode processes get the names and map the segments themselves."""
@@ -139,8 +206,8 @@ class SharedCache(Closing):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.size_limit, self.names = state["size_limit"], state["names"]
         self.name, self._members_fd, self._remover = None, -1, None
-        self._index, self._data, self._index_fd = None, None, -1
-        self.hits = self.misses = 0
+        self._index, self._data, self._index_fd, self._data_fd = None, None, -1, -1
+        self.hits = self.misses = self.uncacheable = 0
 
     # -- use --------------------------------------------------------------------------------
 
@@ -156,7 +223,7 @@ class SharedCache(Closing):
 
     def _entry(self, index: int) -> tuple[int, int]:
         assert self._index is not None
-        offset, length = struct.unpack_from("<qq", self._index, _HEADER.size + 16 * index)
+        offset, length = _ENTRY.unpack_from(self._index, _HEADER.size + _ENTRY.size * index)
         return offset, length
 
     def __contains__(self, index: int) -> bool:
@@ -179,45 +246,55 @@ class SharedCache(Closing):
         if length <= 0:
             raise KeyError(index)
         assert self._data is not None
-        memory = memoryview(self._data).toreadonly()
-        header_length, count = struct.unpack_from("<qq", memory, offset)
-        lengths = struct.unpack_from(f"<{count}q", memory, offset + 16)
-        position = offset + 16 + 8 * count
-        header = memory[position : position + header_length]
-        position = _aligned(position + header_length)
-        buffers = []
-        for size in lengths:
-            buffers.append(memory[position : position + size])
-            position = _aligned(position + size)
-        return pickle.loads(header, buffers=buffers)
+        memory = memoryview(self._data).toreadonly()[offset : offset + length]
+        (size,) = _DESCRIPTION.unpack_from(memory, 0)
+        entry = json.loads(bytes(memory[_DESCRIPTION.size : _DESCRIPTION.size + size]))
+        base = _aligned(_DESCRIPTION.size + size)
+        buffers = [memory[base + start : base + start + n] for start, n in entry["buffers"]]
+        return _rebuild(entry["value"], buffers)
 
     def put(self, index: int, value: Any) -> bool:
-        """Store `value` for `index` unless it is there already or does not fit; True if
-        stored. Safe to call from several processes at once."""
+        """Store `value` for `index` unless it is there already, does not fit, or is not data;
+        True if stored. Safe to call from several processes at once."""
         self._map()
         if not 0 <= index < self.capacity:
             return False
-        buffers: list[pickle.PickleBuffer] = []
-        header = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-        raws = [b.raw() for b in buffers]
-        total = _aligned(16 + 8 * len(raws) + len(header)) + sum(_aligned(r.nbytes) for r in raws)
-        offset = self._reserve(index, total)
+        buffers: list[memoryview] = []
+        try:
+            description = _describe(value, buffers)
+        except Uncacheable as e:
+            self._refuse(e)
+            return False
+        places, position = [], 0
+        for buffer in buffers:
+            places.append([position, buffer.nbytes])
+            position = _aligned(position + buffer.nbytes)
+        text = json.dumps({"value": description, "buffers": places}).encode()
+        base = _aligned(_DESCRIPTION.size + len(text))
+        offset = self._reserve(index, base + position)
         if offset < 0:
             return False
         assert self._data is not None and self._index is not None
-        struct.pack_into(f"<qq{len(raws)}q", self._data, offset, len(header), len(raws),
-                         *(r.nbytes for r in raws))
-        position = offset + 16 + 8 * len(raws)
-        self._data[position : position + len(header)] = header
-        position = _aligned(position + len(header))
-        for raw in raws:
-            self._data[position : position + raw.nbytes] = raw.cast("B")
-            position = _aligned(position + raw.nbytes)
-        struct.pack_into("<q", self._index, _HEADER.size + 16 * index + 8, total)  # publish
+        _DESCRIPTION.pack_into(self._data, offset, len(text))
+        self._data[offset + _DESCRIPTION.size : offset + _DESCRIPTION.size + len(text)] = text
+        for (start, size), buffer in zip(places, buffers, strict=True):
+            self._data[offset + base + start : offset + base + start + size] = buffer.cast("B")
+        _ENTRY.pack_into(self._index, _HEADER.size + _ENTRY.size * index, offset, base + position)
         return True
 
+    def _refuse(self, error: Uncacheable) -> None:
+        if not self.uncacheable:
+            warnings.warn(
+                f"SharedCache stores data only (arrays, numbers, str, bytes, None, and lists, "
+                f"tuples and dicts of them); a decoded value holds {error}, so it is not "
+                "cached. Return plain data from decode= to cache it.",
+                stacklevel=4,
+            )
+        self.uncacheable += 1
+
     def _reserve(self, index: int, total: int) -> int:
-        """The offset for `total` bytes, or -1: cached already, being written, or full."""
+        """The offset for `total` bytes with their pages allocated, or -1: cached already,
+        being written, or full (also when /dev/shm has no room left)."""
         assert self._index is not None
         fcntl.flock(self._index_fd, fcntl.LOCK_EX)
         try:
@@ -227,7 +304,12 @@ class SharedCache(Closing):
             if used + total > self.size_limit:
                 _HEADER.pack_into(self._index, 0, capacity, used, entries, 1)
                 return -1
-            struct.pack_into("<qq", self._index, _HEADER.size + 16 * index, used, -1)
+            try:
+                shm.reserve(self._data_fd, used, total)
+            except shm.NoSpace:
+                _HEADER.pack_into(self._index, 0, capacity, used, entries, 1)
+                return -1
+            _ENTRY.pack_into(self._index, _HEADER.size + _ENTRY.size * index, used, -1)
             _HEADER.pack_into(self._index, 0, capacity, used + total, entries + 1, full)
             return int(used)
         finally:
@@ -247,14 +329,16 @@ class SharedCache(Closing):
         }
 
     def close(self) -> None:
-        """Unmap, and remove the segments if this process made them."""
+        """Unmap, and remove the segments if this process made them (or, for a named cache,
+        was the last member)."""
         for block in (self._index, self._data):
             if block is not None:
                 with contextlib.suppress(BufferError):  # arrays still viewing it keep it
                     block.close()
-        if self._index_fd >= 0:
-            os.close(self._index_fd)
-        self._index, self._data, self._index_fd = None, None, -1
+        for descriptor in (self._index_fd, self._data_fd):
+            if descriptor >= 0:
+                os.close(descriptor)
+        self._index, self._data, self._index_fd, self._data_fd = None, None, -1, -1
         if self._remover is not None:
             self._remover()
         if self._members_fd >= 0:
@@ -262,27 +346,48 @@ class SharedCache(Closing):
 
     def _leave(self) -> None:
         """Detach from a named cache; the last process attached removes it."""
+        from ._runtime.zygote import Zygote
+
+        assert self.name is not None
         members, self._members_fd = self._members_fd, -1
         fcntl.flock(members, fcntl.LOCK_UN)
-        try:
-            fcntl.flock(members, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass  # others are still attached
-        else:
-            _remove_files(self.names)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(SHM_DIR + self.names[0][: -len("-index")] + "-members")
-        finally:
-            os.close(members)
+        os.close(members)
+        remove_if_unused(self.name)
+        Zygote.get().watch_cache(self.name, False)
 
 
-def _remove_files(names: tuple[str, str]) -> None:
+def _members_name(name: str) -> str:
+    return f"aioloader-u{os.geteuid()}-cache-{name}-members"
+
+
+def _open_members(name: str) -> int:
+    descriptor = os.open(shm.path(_members_name(name)), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW,
+                         0o600)
+    try:
+        shm.check_owned(descriptor, _members_name(name))
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def remove_if_unused(name: str) -> None:
+    """Remove a named cache if no live process is attached to it."""
+    try:
+        members = _open_members(name)
+    except OSError:
+        return
+    try:
+        fcntl.flock(members, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # others are still attached
+    else:
+        stem = f"aioloader-u{os.geteuid()}-cache-{name}"
+        _remove_files((stem + "-index", stem + "-data", _members_name(name)))
+    finally:
+        os.close(members)
+
+
+def _remove_files(names: tuple[str, ...]) -> None:
     for name in names:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(SHM_DIR + name)
-
-
-def _remove(names: tuple[str, str]) -> None:
-    _remove_files(names)
-    for name in names:
-        resource_tracker.unregister(name, "shared_memory")
+        shm.unlink(name)

@@ -1,47 +1,41 @@
-"""The Loader: wires sampler, fetch, decode and batching, and owns their lifecycle.
+"""The Loader: configuration, the decode pool it keeps, and where it stands in the epochs.
 
-One epoch is one `_EpochRun` in one event loop: a producer task launches a bounded window of
-chunk tasks (fetch every sample of a batch with at most `concurrency` reads in flight, then
-decode and collate the batch in the pool) and hands finished chunks, in order or as completed,
-to a queue of `prefetch` batches. `async for` reads that queue directly; a plain `for` runs the
-same run on a loop in a background thread.
+Each iteration is a pass (`_runtime.passes.Pass`) built from a snapshot of the configuration, in
+the event loop that iterates: the caller's for `async for`, a loop in a background thread for a
+plain `for`. A Loader runs one pass at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 import threading
-import traceback
+import warnings
 import weakref
-from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sized
+from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from concurrent.futures import Executor
-from contextlib import aclosing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import numpy as np
 
-from ._cache import CACHED, SharedCache
+from ._cache import SharedCache
 from ._closing import AsyncClosing, Closing
 from ._collate import default_collate
 from ._datasets import Dataset, Stream
-from ._errors import LoaderError, SampleError
+from ._errors import LoaderError
 from ._loopthread import LoopThread
-from ._runtime import autotune
-from ._runtime.transport import BlockPool, Slot
-from ._runtime.transport import available as transport_available
-from ._runtime.workers import (
-    Chunk,
-    ChunkResult,
-    DecodePool,
-    DecodeSpec,
-    ExecutorPool,
-    check_picklable,
-    takes_rng,
-)
+from ._runtime import autotune, shm
+from ._runtime.blocking import off_loop
+from ._runtime.channel import dumps
+from ._runtime.decoders import Decoder, ExecutorDecoder, InlineDecoder, PoolDecoder
+from ._runtime.passes import END, Pass, PassConfig
+from ._runtime.pool import DecodePool
+from ._runtime.sources import PlannedSource, StreamSource
+from ._runtime.transport import BlockPool
+from ._runtime.worker import DecodeSpec, takes_rng
 from ._sampling import (
     EpochPlan,
     ShardInfo,
@@ -50,7 +44,7 @@ from ._sampling import (
     epoch_order,
     steps_in_epoch,
 )
-from ._stats import LoaderStats, now
+from ._stats import LoaderStats
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._diskcache import DiskCache
 from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
@@ -58,19 +52,58 @@ from .storage._storage import Storage
 
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
-
-_END = object()
-_SKIPPED = object()
-_EMPTY = object()
-
-
-@dataclass(frozen=True)
-class _Failure:
-    error: BaseException
+DEFAULT_MEMORY_LIMIT = 1 << 30
+READ_AHEAD_PER_READ = 32
+"""Samples read ahead of the decode stage per read in flight (bounded by memory_limit too)."""
+CLOSE_WAIT_SECONDS = 5.0
 
 
 class Loader(Closing, AsyncClosing):
-    """Batches of decoded samples from a dataset; see the README for every argument."""
+    """Batches of decoded samples from a dataset, read with many reads in flight.
+
+    Iterate it with `for` (the event loop runs in a background thread) or `async for` (in
+    the running loop); `with`/`async with` or `close()` stop everything it started.
+
+    Args:
+        dataset: an `aioloader.Dataset` (map-style: `__len__` and `async fetch(index)`) or an
+            `aioloader.Stream` (iterable: `async __aiter__`).
+        decode: `decode(raw)` or `decode(raw, rng)`, run in the decode processes on each raw
+            item; the rng is passed only when the second parameter is named `rng` or annotated
+            `numpy.random.Generator`, and is `numpy.random.default_rng([seed, epoch, index])`,
+            so results do not depend on num_workers or concurrency. None: raw items as they are.
+            Any function works (lambdas, closures, notebook cells): it travels by value.
+        batch_size: samples per batch; None gives samples one by one.
+        shuffle: a new order each epoch, from `seed` and the epoch.
+        seed: the seed of the order and of the per-sample rng.
+        drop_last: leave out the last batch when it is not full.
+        concurrency: reads in flight, or "auto" to find the number while running.
+        num_workers: decode processes; 0 decodes in the event loop's thread (for debugging).
+        prefetch: finished batches kept ready for the consumer.
+        ordered: False hands batches over as they finish rather than in order.
+        collate: list of samples -> batch, in the decode processes (default: like torch's).
+        worker_init: `worker_init(worker_id)`, run once in each decode process.
+        rank, world_size: this process's share in distributed training; None: from
+            torch.distributed, else the RANK and WORLD_SIZE variables, else 0 and 1.
+        on_error: "raise" stops at a sample whose fetch or decode fails (after the batches
+            before it); "skip" drops it, counts it in `stats.skipped` and goes on.
+        persistent_workers: keep the decode processes between passes (until close()).
+        retries, timeout: the read retry budget and the seconds a request may take.
+        executor: a `concurrent.futures.Executor` (a Dask cluster's, say) to decode on instead
+            of the built-in processes; it stays yours to close.
+        shared_memory: hand large batches back through /dev/shm instead of pickles.
+        augment: with `cache=`, the random step `augment(value, rng)` run every epoch on the
+            cached output of `decode`.
+        cache: an `aioloader.SharedCache` keeping decoded samples in shared memory.
+        cache_dir, cache_limit: keep remote bytes in this folder, at most this many bytes.
+        decode_timeout: seconds a decode task may run; longer raises DecodeTimeoutError (or
+            skips its samples) and the process is killed and replaced. None: no limit.
+        stall_timeout: seconds without any read, decode or hand-over completing, while one is
+            in flight, before StallError names what holds the loader.
+        max_worker_restarts: decode processes that may die in a pass (OOM killer, a crash)
+            and be replaced, their work sent again, before WorkerDiedError.
+        memory_limit: bytes of raw and decoded samples the loader holds, in flight or waiting
+            for the consumer; no new read starts while it is over. None: 1 GiB.
+    """
 
     def __init__(
         self,
@@ -98,6 +131,10 @@ class Loader(Closing, AsyncClosing):
         cache: SharedCache | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int = DEFAULT_DISK_CACHE_LIMIT,
+        decode_timeout: float | None = None,
+        stall_timeout: float = 600.0,
+        max_worker_restarts: int = 3,
+        memory_limit: int | None = None,
     ) -> None:
         if not isinstance(dataset, Stream) and not (
             hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
@@ -114,6 +151,15 @@ class Loader(Closing, AsyncClosing):
         _check_count("num_workers", num_workers, minimum=0)
         _check_count("prefetch", prefetch, minimum=1)
         _check_count("seed", seed, minimum=0)
+        _check_count("max_worker_restarts", max_worker_restarts, minimum=0)
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("ordered", ordered),
+                           ("persistent_workers", persistent_workers),
+                           ("shared_memory", shared_memory)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        _check_seconds("decode_timeout", decode_timeout, allow_none=True)
+        _check_seconds("stall_timeout", stall_timeout)
+        _check_count("memory_limit", memory_limit, minimum=1, allow_none=True)
         if isinstance(dataset, Stream):
             dataset.check_batching(batch_size, ordered)
         if on_error not in ("raise", "skip"):
@@ -136,45 +182,64 @@ class Loader(Closing, AsyncClosing):
                 raise ValueError("decode= feeds the cache, so it must not be random: move the "
                                  "random part into augment=(value, rng)")
             cache.attach(len(dataset))
-        if num_workers or executor is not None:
-            check_picklable("augment", augment)
-            check_picklable("decode", decode)
-            check_picklable("collate", collate)
-            check_picklable("worker_init", worker_init)
         RetryPolicy(retries, timeout)  # validates both
 
         self.dataset = dataset
         self.batch_size = batch_size
-        self.shuffle = shuffle
+        self.shuffle = bool(shuffle)
         self.seed = seed
-        self.drop_last = drop_last
+        self.drop_last = bool(drop_last)
         self.concurrency = concurrency
         self.num_workers = num_workers
         self.prefetch = prefetch
-        self.ordered = ordered
+        self.ordered = bool(ordered)
         self.on_error = on_error
-        self.persistent_workers = persistent_workers
+        self.persistent_workers = bool(persistent_workers)
         self.retries = retries
         self.timeout = timeout
+        self.decode_timeout = decode_timeout
+        self.stall_timeout = stall_timeout
+        self.max_worker_restarts = max_worker_restarts
+        self.memory_limit = DEFAULT_MEMORY_LIMIT if memory_limit is None else memory_limit
         self.stats = LoaderStats()
         self.cache = cache
         self.disk_cache = None if cache_dir is None else DiskCache(cache_dir, cache_limit)
+        self.stats.cache_reports = [c.report for c in (cache, self.disk_cache) if c is not None]
+        self.executor = executor
         self._spec = DecodeSpec(
             decode, collate if batch_size else None, on_error == "skip", seed, augment, cache
         )
         self._worker_init = worker_init
-        self.executor = executor
+        if num_workers and executor is None:
+            self._check_serialisable()
         self._epoch = 0
         self._position = 0
         """Global position in the epoch's order of the last batch handed over."""
         self._resume_at: int | None = None
         self._closed = False
-        self._pools = _PoolHolder()
+        self._lock = threading.Lock()
+        self._pass: Pass | None = None
+        self._pass_loop: asyncio.AbstractEventLoop | None = None
+        self._pass_ended = threading.Condition(self._lock)
+        self._opening = False
+        self._holder = _PoolHolder()
         self._blocks: BlockPool | None = None
-        if shared_memory and num_workers and executor is None and transport_available():
-            most_reads = autotune.HIGHEST if self.auto_concurrency else concurrency
-            self._blocks = BlockPool(max_blocks=self._window(most_reads) + prefetch + 4)
-        self._finalizer = weakref.finalize(self, _shut_down, self._pools, self._blocks)
+        if shared_memory and num_workers and executor is None and shm.available():
+            self._blocks = BlockPool(max_blocks=self._decode_window() + self._prefetch_chunks()
+                                     + 4)
+        self._finalizer = weakref.finalize(self, _shut_down, self._holder, self._blocks)
+
+    def _check_serialisable(self) -> None:
+        """Fail here, not in a decode process, when a function cannot travel."""
+        for name, value in (("decode", self._spec), ("worker_init", self._worker_init)):
+            try:
+                dumps(value)
+            except Exception as e:
+                raise ValueError(
+                    f"{name} cannot be sent to the decode processes: {type(e).__name__}: {e}. "
+                    "It (or what it refers to) holds something that cannot be pickled, such "
+                    "as an open file, a lock or a socket; or use num_workers=0."
+                ) from e
 
     # -- epochs and state ------------------------------------------------------------------
 
@@ -194,7 +259,9 @@ class Loader(Closing, AsyncClosing):
         world size. A stream: the items this rank handed over, and the world size, which a
         resumed stream must keep (its share of the data depends on it).
         """
-        state = {"epoch": self._epoch, "position": self._position}
+        running = self._pass
+        position = running.position if running is not None else self._position
+        state = {"epoch": self._epoch, "position": position}
         if isinstance(self.dataset, Stream):
             state["world_size"] = self.world_size
         return state
@@ -209,15 +276,6 @@ class Loader(Closing, AsyncClosing):
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._resume_at = self._position
 
-    def _plan(self, start: int) -> EpochPlan | None:
-        """The epoch's steps for map-style data; None for a stream, which orders itself."""
-        if isinstance(self.dataset, Stream):
-            return None
-        order = epoch_order(len(self.dataset), self.shuffle, self.seed, self._epoch)
-        return EpochPlan(
-            order, self.batch_size or 1, self.rank, self.world_size, self.drop_last, start
-        )
-
     def __len__(self) -> int:
         """Batches per epoch for this rank (samples when batch_size is None)."""
         step = self.batch_size or 1
@@ -229,56 +287,169 @@ class Loader(Closing, AsyncClosing):
         items = call_with_shard_info(self._shard_info(self._epoch), lambda: len(dataset))
         return items // step if self.drop_last else -(-items // step)
 
-    def _window(self, reads: int | None = None) -> int:
-        """Chunks in flight: enough to keep `reads` (default: the concurrency now) busy while
-        every decode process has a chunk; a bound on memory too."""
-        per_chunk = (self.batch_size or 1) * (1 if self.batch_size else UNBATCHED_CHUNK)
-        return -(-(reads or self.concurrency) // per_chunk) + self.num_workers + 1
-
     def _shard_info(self, epoch: int) -> ShardInfo:
         return ShardInfo(self.rank, self.world_size, epoch, self.seed, self.shuffle)
 
-    # -- iteration ---------------------------------------------------------------------------
+    def _steps_per_chunk(self) -> int:
+        return 1 if self.batch_size else UNBATCHED_CHUNK
 
-    async def _open_run(self) -> _EpochRun:
-        if self._closed:
-            raise LoaderError("this Loader is closed; build a new one")
+    def _prefetch_chunks(self) -> int:
+        return -(-self.prefetch // self._steps_per_chunk())
+
+    def _decode_window(self) -> int:
+        """Chunks decoding or finished and waiting: enough for every decode process to have
+        one running and one queued, plus the prefetch."""
+        return self._prefetch_chunks() + 2 * max(self.num_workers, 1) + 1
+
+    # -- passes -----------------------------------------------------------------------------
+
+    def _config(self, epoch: int) -> PassConfig:
+        chunk_samples = (self.batch_size or 1) * self._steps_per_chunk()
+        reads = autotune.HIGHEST if self.auto_concurrency else self.concurrency
+        return PassConfig(
+            epoch=epoch,
+            batch_size=self.batch_size,
+            steps_per_chunk=self._steps_per_chunk(),
+            ordered=self.ordered,
+            skip_errors=self.on_error == "skip",
+            memory_limit=self.memory_limit,
+            read_ahead=max(READ_AHEAD_PER_READ * reads, 2 * chunk_samples),
+            decode_window=self._decode_window(),
+            stall_timeout=self.stall_timeout,
+        )
+
+    async def _open_pass(self) -> Pass:
+        with self._lock:
+            if self._closed:
+                raise LoaderError("this Loader is closed; build a new one")
+            if self._pass is not None or self._opening:
+                raise LoaderError(
+                    "a pass over this Loader is already running (in another thread or task); "
+                    "a Loader runs one pass at a time: finish or break that loop first"
+                )
+            self._opening = True
+        try:
+            running = await self._build_pass()
+            try:
+                await running.start()
+            except BaseException:
+                await running.aclose()
+                raise
+        finally:
+            with self._lock:
+                self._opening = False
+        with self._lock:
+            self._pass, self._pass_loop = running, asyncio.get_running_loop()
+            if self._closed:  # closed while the pass was being built
+                running.fail(LoaderError("the Loader was closed"))
+        return running
+
+    async def _build_pass(self) -> Pass:
         start = self._resume_at or 0
         self._position, self._resume_at = start, None
-        pool = self._pools.get(self)
-        return _EpochRun(self, self._plan(start), start, pool)
+        epoch = self._epoch
+        config = self._config(epoch)
+        stats = self.stats
+        stats.concurrency, stats.decode_processes = self.concurrency, self.num_workers
+        reads = autotune.ReadLimit(self.concurrency)
+        connections = autotune.HIGHEST if self.auto_concurrency else self.concurrency
+        storage = Storage(connections, self.retries, self.timeout, stats.storage,
+                          self.disk_cache)
+        source: PlannedSource | StreamSource
+        if isinstance(self.dataset, Stream):
+            source = StreamSource(
+                self.dataset, start, self.rank, self.world_size, self.batch_size or 1,
+                config.steps_per_chunk, not (self.drop_last and self.batch_size), stats,
+            )
+        else:
+            order = epoch_order(len(self.dataset), self.shuffle, self.seed, epoch)
+            plan = EpochPlan(order, self.batch_size or 1, self.rank, self.world_size,
+                             self.drop_last, start)
+            source = PlannedSource(self.dataset, plan, config.steps_per_chunk,
+                                   config.skip_errors, self.cache, reads, stats)
+        decoder, owned_pool = await self._decoder(epoch)
+        side_tasks = []
+        if self.auto_concurrency:
+            tuner = autotune.Tuner(
+                reads,
+                lambda: (stats.fetch.count, stats.fetch.total, stats.consumer_wait.total),
+                self._use_concurrency,
+            )
+            side_tasks.append(tuner.tune())
+        info = self._shard_info(epoch)
 
-    async def _close_run(self, run: _EpochRun) -> None:
-        try:
-            await run.aclose()
-        finally:
-            if run.finished:
+        def in_context(start_task: Callable[[], asyncio.Task[None]]) -> asyncio.Task[None]:
+            """The feed and the tasks it starts see this pass's storage and shard info."""
+
+            def start_with_storage() -> asyncio.Task[None]:
+                with storage.as_current():
+                    return start_task()
+
+            return call_with_shard_info(info, start_with_storage)
+
+        return Pass(config, source, decoder, self._blocks, stats, storage, in_context,
+                    owned_pool, side_tasks)
+
+    async def _decoder(self, epoch: int) -> tuple[Decoder, DecodePool | None]:
+        if self.executor is not None:
+            return ExecutorDecoder(self._spec, self.executor), None
+        if not self.num_workers:
+            return InlineDecoder(self._spec), None
+        base_seed = int(
+            np.random.SeedSequence([self.seed, epoch], spawn_key=(2,)).generate_state(1)[0]
+        )
+        if self.persistent_workers:
+            pool = await off_loop(self._holder.get, self, base_seed)
+            owned = None
+        else:
+            pool = owned = await off_loop(
+                DecodePool, self._spec, self.num_workers, base_seed, self._worker_init
+            )
+        decoder = PoolDecoder(pool, self.decode_timeout, self.max_worker_restarts,
+                              self.on_error == "skip", self._worker_restarted)
+        return decoder, owned
+
+    def _use_concurrency(self, limit: int) -> None:
+        self.concurrency = self.stats.concurrency = limit
+
+    def _worker_restarted(self, message: str) -> None:
+        self.stats.worker_restarts += 1
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _pass_over(self, running: Pass) -> None:
+        """Book-keeping once a pass is closed or dropped: epoch, position, the running slot."""
+        with self._lock:
+            if self._pass is not running:
+                return
+            if running.finished:
                 self._epoch, self._position = self._epoch + 1, 0
-            if not self.persistent_workers or run.pool.broken:
-                self._pools.close()
-                if self._blocks is not None:
-                    self._blocks.sweep()
+            else:
+                self._position = running.position
+            self._pass = self._pass_loop = None
+            self._pass_ended.notify_all()
 
-    async def _iterate(self) -> AsyncIterator[Any]:
-        run = await self._open_run()
+    async def _close_pass(self, running: Pass) -> None:
         try:
-            while (item := await run.next()) is not _END:
-                yield item
+            await running.aclose()
         finally:
-            await self._close_run(run)
+            self._pass_over(running)
+
+    def _abandon_pass(self, running: Pass) -> None:
+        running.abandon()
+        self._pass_over(running)
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return self._iterate()
+        return _AsyncPass(self)
 
     def __iter__(self) -> Iterator[Any]:
         loop = LoopThread()
         try:
-            run = loop.call(self._open_run())
+            running = loop.call(self._open_pass())
             try:
-                while (item := loop.call(run.next())) is not _END:
+                while (item := loop.call(running.next())) is not END:
                     yield item
             finally:
-                loop.call(self._close_run(run))
+                loop.call(self._close_pass(running))
         finally:
             loop.stop()
 
@@ -292,38 +463,87 @@ class Loader(Closing, AsyncClosing):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the decode processes and unlink the shared memory; idempotent. Iterations in
-        progress end with an error; batches already handed over stay valid."""
-        self._closed = True
+        """Stop the decode processes and unlink the shared memory; idempotent, from any
+        thread. A pass in progress raises LoaderError; batches handed over stay valid."""
+        with self._lock:
+            self._closed = True
+            running, loop = self._pass, self._pass_loop
+        if running is not None and loop is not None:
+            error = LoaderError("the Loader was closed while a pass was running")
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(running.fail, error)
+            if not _in_loop(loop):
+                with self._lock:
+                    self._pass_ended.wait_for(lambda: self._pass is not running,
+                                              CLOSE_WAIT_SECONDS)
         self._finalizer()
 
     async def aclose(self) -> None:
         self.close()
 
 
-def _shut_down(pools: _PoolHolder, blocks: BlockPool | None) -> None:
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    with contextlib.suppress(RuntimeError):
+        return asyncio.get_running_loop() is loop
+    return False
+
+
+class _AsyncPass:
+    """`async for` over a Loader. Dropping it mid-pass (a `break`) releases the pass at once,
+    so the next `async for` starts cleanly even before the old one is finalized."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._pass: Pass | None = None
+        self._done = False
+
+    def __aiter__(self) -> _AsyncPass:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        if self._pass is None:
+            self._pass = await self._loader._open_pass()
+        try:
+            item = await self._pass.next()
+        except BaseException:
+            await self.aclose()
+            raise
+        if item is END:
+            await self.aclose()
+            raise StopAsyncIteration
+        return item
+
+    async def aclose(self) -> None:
+        if self._pass is not None and not self._done:
+            self._done = True
+            await asyncio.shield(self._loader._close_pass(self._pass))
+
+    def __del__(self) -> None:
+        if self._pass is not None and not self._done:
+            self._done = True
+            self._loader._abandon_pass(self._pass)
+
+
+def _shut_down(holder: _PoolHolder, blocks: BlockPool | None) -> None:
     """Processes first: none may create a block after the blocks are removed."""
-    pools.close()
+    holder.close()
     if blocks is not None:
         blocks.close()
 
 
 class _PoolHolder:
-    """The loader's decode pool, built on first use; kept apart so a finalizer can close it."""
+    """The loader's persistent decode pool, built on first use; kept apart from the Loader so
+    a finalizer can close it."""
 
     def __init__(self) -> None:
         self._pool: DecodePool | None = None
         self._lock = threading.Lock()
 
-    def get(self, loader: Loader) -> DecodePool | ExecutorPool:
-        if loader.executor is not None:
-            return ExecutorPool(loader._spec, loader.executor)
+    def get(self, loader: Loader, base_seed: int) -> DecodePool:
         with self._lock:
             if self._pool is None:
-                base_seed = int(
-                    np.random.SeedSequence([loader.seed, loader.epoch], spawn_key=(2,))
-                    .generate_state(1)[0]
-                )
                 self._pool = DecodePool(
                     loader._spec, loader.num_workers, base_seed, loader._worker_init
                 )
@@ -336,300 +556,17 @@ class _PoolHolder:
             pool.close()
 
 
-@dataclass
-class _Job:
-    """The samples of one chunk: which steps they fill, their indices, and their raw items
-    (fetched by the chunk task for map-style data; already read for a stream)."""
-
-    steps: range
-    indices: list[int]
-    raws: list[Any] | None = None
-    keys: list[str] | None = None
-
-
-class _EpochRun:
-    """One pass over (the rest of) an epoch inside one event loop."""
-
-    def __init__(
-        self,
-        loader: Loader,
-        plan: EpochPlan | None,
-        start: int,
-        pool: DecodePool | ExecutorPool,
-    ) -> None:
-        self._loader = loader
-        self._epoch = loader.epoch
-        self._plan = plan
-        self._start = start
-        self.pool = pool
-        self.finished = False
-        self._step_size = loader.batch_size or 1
-        self._steps_per_chunk = 1 if loader.batch_size else UNBATCHED_CHUNK
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=loader.prefetch)
-        self._fetch_slots: asyncio.Semaphore | autotune.ReadLimit = asyncio.Semaphore(
-            loader.concurrency
-        )
-        connections = loader.concurrency
-        if loader.auto_concurrency:
-            self._fetch_slots = autotune.ReadLimit(loader.concurrency)
-            connections = autotune.HIGHEST
-        self._storage = Storage(
-            connections, loader.retries, loader.timeout, loader.stats.storage, loader.disk_cache
-        )
-        self._delivered = _Progress()
-        stats = loader.stats
-        stats.concurrency, stats.decode_processes = loader.concurrency, loader.num_workers
-        self._started, self._busy_before = now(), stats.busy_seconds
-        self._handed_over_at: float | None = None
-        info = loader._shard_info(self._epoch)
-
-        def start_producer() -> asyncio.Task[None]:
-            """The producer and its tasks see this run's storage and shard info."""
-            with self._storage.as_current():
-                return asyncio.create_task(self._produce(), name="aioloader-producer")
-
-        self._producer = call_with_shard_info(info, start_producer)
-        self._tuner: asyncio.Task[None] | None = None
-        if isinstance(self._fetch_slots, autotune.ReadLimit):
-            tuner = autotune.Tuner(self._fetch_slots, stats, self._use_concurrency)
-            self._tuner = asyncio.create_task(tuner.tune(), name="aioloader-tuner")
-
-    def _use_concurrency(self, limit: int) -> None:
-        self._loader.concurrency = self._loader.stats.concurrency = limit
-
-    async def next(self) -> Any:
-        """The next batch, or _END; raises the first failure of the run."""
-        stats = self._loader.stats
-        asked = now()
-        if self._handed_over_at is not None:
-            stats.event("consumer", self._handed_over_at, asked, "step")
-        while True:
-            entry = await self._queue.get()
-            if entry is _END:
-                self.finished = True
-                return _END
-            if isinstance(entry, _Failure):
-                raise entry.error
-            step, item, queued_at = entry
-            got = now()
-            stats.queue_wait.add(got - queued_at)
-            stats.busy_seconds = self._busy_before + got - self._started
-            steps_done = self._delivered.add(step)
-            self._loader._position = (
-                self._start + steps_done * self._step_size
-                if self._plan is None
-                else self._plan.global_position(steps_done)
-            )
-            if item is not _EMPTY:
-                stats.batches += 1
-                stats.consumer_wait.add(got - asked)
-                stats.event("consumer", asked, got, "wait")
-                self._handed_over_at = got
-                return item
-
-    async def aclose(self) -> None:
-        tasks = [t for t in (self._producer, self._tuner) if t is not None]
-        for task in tasks:
-            task.cancel()
-        try:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            await self._storage.aclose()
-
-    # -- producer side -----------------------------------------------------------------------
-
-    async def _produce(self) -> None:
-        in_flight: deque[asyncio.Task[list[tuple[int, Any]]]] = deque()
-        try:
-            jobs = self._planned_jobs() if self._plan is not None else self._stream_jobs()
-            async for job in jobs:
-                while len(in_flight) >= self._loader._window():
-                    await self._deliver_one(in_flight)
-                in_flight.append(asyncio.create_task(self._complete(job)))
-            while in_flight:
-                await self._deliver_one(in_flight)
-            await self._queue.put(_END)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            await self._queue.put(_Failure(e))
-        finally:
-            for task in in_flight:
-                task.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
-
-    async def _planned_jobs(self) -> AsyncIterator[_Job]:
-        plan = self._plan
-        assert plan is not None
-        for first in range(0, len(plan), self._steps_per_chunk):
-            steps = range(first, min(first + self._steps_per_chunk, len(plan)))
-            yield _Job(steps, [int(i) for k in steps for i in plan.step(k)])
-
-    async def _stream_jobs(self) -> AsyncIterator[_Job]:
-        """Group a stream's items into chunks; item n of this rank gets the rng index
-        n * world_size + rank, distinct across ranks."""
-        stream = self._loader.dataset
-        assert isinstance(stream, Stream)
-        rank, world_size = self._loader.rank, self._loader.world_size
-        chunk_size = self._step_size * self._steps_per_chunk
-        first_step, count = 0, self._start
-        job = _Job(range(0), [], [], [])
-        start = stream.iter_from(self._start) if self._start else _aiter(stream)
-        async with aclosing(start) as items:
-            async for item in items:
-                assert job.raws is not None and job.keys is not None
-                job.indices.append(count * world_size + rank)
-                job.raws.append(item)
-                job.keys.append(stream.key(item, count))
-                count += 1
-                if len(job.raws) == chunk_size:
-                    job.steps = range(first_step, first_step + self._steps_per_chunk)
-                    first_step += self._steps_per_chunk
-                    yield job
-                    job = _Job(range(0), [], [], [])
-        assert job.raws is not None
-        if job.raws and not (self._loader.drop_last and self._loader.batch_size):
-            job.steps = range(first_step, first_step + -(-len(job.raws) // self._step_size))
-            yield job
-
-    async def _deliver_one(self, in_flight: deque[asyncio.Task[list[tuple[int, Any]]]]) -> None:
-        """Hand over the oldest chunk (ordered) or whichever finishes first."""
-        if self._loader.ordered:
-            task = in_flight[0]
-            await asyncio.wait([task])
-        else:
-            done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            task = done.pop()
-        in_flight.remove(task)
-        for step, item in task.result():
-            await self._queue.put((step, item, now()))
-
-    async def _complete(self, job: _Job) -> list[tuple[int, Any]]:
-        """Fetch (if needed), decode and collate a job's samples; one (step, item) per step."""
-        raws = job.raws
-        if raws is None:
-            fetched = await asyncio.gather(
-                *(self._fetch(i) for i in job.indices), return_exceptions=True
-            )
-            for raw in fetched:
-                if isinstance(raw, BaseException):
-                    raise raw
-            raws = fetched
-        kept = [n for n, raw in enumerate(raws) if raw is not _SKIPPED]
-        blocks = self._loader._blocks
-        slot = blocks.lease() if blocks is not None else None
-        chunk = Chunk(self._epoch, [job.indices[n] for n in kept], [raws[n] for n in kept], slot)
-        try:
-            result = await self.pool.run(chunk)
-        except BaseException:
-            if blocks is not None and slot is not None:
-                blocks.release(slot.name)
-            raise
-        self._receive(result, slot)
-        self._report_caches()
-        for start, end in result.timings:
-            self._loader.stats.decode.add(end - start)
-            self._loader.stats.event(result.process, start, end, "decode")
-        self._account(chunk, result, lambda position: self._job_key(job, kept[position]))
-        if self._loader.batch_size:
-            return [(job.steps[0], result.items[0] if result.items else _EMPTY)]
-        decoded = iter(result.items)
-        skipped = {kept[position] for position, _ in result.skipped}
-        skipped.update(n for n, raw in enumerate(raws) if raw is _SKIPPED)
-        return [(k, _EMPTY if n in skipped else next(decoded)) for n, k in enumerate(job.steps)]
-
-    def _report_caches(self) -> None:
-        loader = self._loader
-        report = {} if loader.cache is None else loader.cache.report()
-        disk = loader.disk_cache
-        if disk is not None:
-            report.update(disk_hits=disk.hits, disk_misses=disk.misses,
-                          disk_gib=round(disk.size / (1 << 30), 4))
-        loader.stats.cache = report
-
-    def _receive(self, result: ChunkResult, slot: Slot | None) -> None:
-        """Map a result's arrays out of its shared block, or give the unused block back."""
-        blocks, transport = self._loader._blocks, self._loader.stats.transport
-        if blocks is not None and slot is not None:
-            if result.shared:
-                result.items = blocks.adopt(result.items, slot)
-                transport["shared"] += 1
-                return
-            if result.needed > slot.size > 0:
-                blocks.retire(slot.name)  # too small for these batches: a fresh one next time
-            else:
-                blocks.release(slot.name)
-        if result.items and self._loader.num_workers:
-            transport["pickled"] += 1
-
-    def _account(self, chunk: Chunk, result: ChunkResult, key: Callable[[int], str]) -> None:
-        stats = self._loader.stats
-        for position, text in result.skipped:
-            error = SampleError(chunk.indices[position], key(position), "decode", text)
-            stats.record_skip(str(error))
-        if result.failure is not None:
-            failed, text = result.failure
-            if failed is None:
-                raise LoaderError(f"collate failed for samples {chunk.indices}:\n{text}")
-            position = chunk.indices.index(failed)
-            raise SampleError(failed, key(position), "decode", text)
-        stats.samples += len(chunk.indices) - len(result.skipped)
-
-    async def _fetch(self, index: int) -> Any:
-        dataset = self._loader.dataset
-        assert not isinstance(dataset, Stream)
-        cache = self._loader.cache
-        if cache is not None and cache.lookup(index):
-            return CACHED
-        async with self._fetch_slots:
-            started = now()
-            try:
-                raw = await dataset.fetch(index)
-                ended = now()
-                self._loader.stats.fetch.add(ended - started)
-                self._loader.stats.event("fetch", started, ended, "fetch")
-                return raw
-            except Exception as e:
-                error = SampleError(index, self._key(index), "fetch", traceback.format_exc())
-                if self._loader.on_error == "raise":
-                    raise error from e
-                self._loader.stats.record_skip(str(error))
-                return _SKIPPED
-
-    def _job_key(self, job: _Job, n: int) -> str:
-        return job.keys[n] if job.keys is not None else self._key(job.indices[n])
-
-    def _key(self, index: int) -> str:
-        """Map-style data only: a stream's keys travel with its jobs."""
-        try:
-            return self._loader.dataset.key(index)  # type: ignore[call-arg]
-        except Exception:
-            return str(index)
-
-
-async def _aiter(stream: Stream) -> AsyncGenerator[Any, None]:
-    """A stream's items as an async generator, so that it can be closed early."""
-    async for item in stream:
-        yield item
-
-
-class _Progress:
-    """Counts delivered steps as a contiguous prefix, whatever order they arrive in."""
-
-    def __init__(self) -> None:
-        self._prefix = 0
-        self._ahead: set[int] = set()
-
-    def add(self, step: int) -> int:
-        self._ahead.add(step)
-        while self._prefix in self._ahead:
-            self._ahead.remove(self._prefix)
-            self._prefix += 1
-        return self._prefix
-
-
 def _check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_seconds(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        0 < value < math.inf
+    ):
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

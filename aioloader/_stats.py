@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -74,11 +75,23 @@ class LoaderStats:
     busy_seconds: float = 0.0
     """Wall seconds spent inside runs (from first request to end or break)."""
     transport: dict[str, int] = field(default_factory=lambda: {"shared": 0, "pickled": 0})
-    """Batches handed back through shared memory and through pickles."""
-    cache: dict[str, float] = field(default_factory=dict)
+    """Batches handed back through shared memory and through pickles (and `no_space`: how
+    many of those pickles were because /dev/shm was full)."""
+    worker_restarts: int = 0
+    """Decode processes that died (a signal, the OOM killer) and were replaced mid-pass."""
+    cache_reports: list[Callable[[], dict[str, float]]] = field(default_factory=list)
+    """The caches' own reports, read when `cache` is asked for."""
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
     storage: StorageCounters = field(default_factory=StorageCounters)
     """The storage's own counters, shared by every pass's storage; read, never written here."""
+
+    @property
+    def cache(self) -> dict[str, float]:
+        """Size, fill and hits of the shared-memory cache and the disk cache, if used."""
+        merged: dict[str, float] = {}
+        for report in self.cache_reports:
+            merged.update(report())
+        return merged
 
     @property
     def requests(self) -> int:

@@ -115,15 +115,19 @@ class Snapshot:
     sockets: int
 
 
+HELPERS = ("forkserver", "resource_tracker", "aioloader._runtime.zygote_main")
+
+
 def _ours(process: psutil.Process) -> bool:
-    """Python's own helpers (the forkserver, the resource tracker: our direct children) live as
-    long as the interpreter; the decode processes the forkserver forks are the loader's."""
+    """Helpers that live as long as the interpreter (Python's forkserver and resource tracker,
+    aioloader's zygote: our direct children) are not a test's; the decode processes the zygote
+    forks are."""
     try:
         command = " ".join(process.cmdline())
         helper = process.ppid() == os.getpid()
     except psutil.Error:
         return False
-    return not (helper and ("forkserver" in command or "resource_tracker" in command))
+    return not (helper and any(name in command for name in HELPERS))
 
 
 def snapshot() -> Snapshot:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+import threading
 import types
 
+import numpy as np
 import pytest
 
 import aioloader
@@ -17,6 +19,16 @@ from decoders import index_of
 CONTRACT = {
     "Dataset", "Files", "Loader", "LoaderError", "default_collate", "get_worker_info",
 }
+
+
+def _closure_over_a_lock() -> object:
+    lock = threading.Lock()
+
+    def decode(raw: bytes) -> bytes:
+        with lock:
+            return raw
+
+    return decode
 
 
 DOCUMENTED_SUBMODULES = ["recordio", "storage", "testing", "torch", "vision"]
@@ -63,7 +75,7 @@ def test_import_does_not_import_torch() -> None:
         ({"on_error": "ignore"}, 'on_error must be "raise" or "skip"'),
         ({"rank": 2, "world_size": 2}, "rank must be in 0..1"),
         ({"retries": -1}, "retries must be 0 or more"),
-        ({"decode": lambda raw: raw}, "module level"),
+        ({"decode": _closure_over_a_lock()}, "cannot be sent to the decode processes"),
     ],
 )
 def test_bad_arguments_fail_at_construction(arguments: dict[str, object], message: str) -> None:
@@ -71,8 +83,9 @@ def test_bad_arguments_fail_at_construction(arguments: dict[str, object], messag
         aioloader.Loader(aioloader.Files(["a.bin"]), **arguments)  # type: ignore[arg-type]
 
 
-def test_lambda_is_fine_without_workers() -> None:
+def test_lambda_is_fine_with_or_without_workers() -> None:
     aioloader.Loader(aioloader.Files(["a.bin"]), decode=lambda raw: raw, num_workers=0)
+    aioloader.Loader(aioloader.Files(["a.bin"]), decode=lambda raw: raw, num_workers=2)
 
 
 def test_labels_must_match_files() -> None:
@@ -87,11 +100,17 @@ def test_keys_cost_their_bytes_not_python_objects() -> None:
     assert table.nbytes == sum(len(k) for k in keys) + 8 * len(keys)
 
 
-def test_decode_taking_an_rng_is_recognised() -> None:
-    from aioloader._runtime.workers import takes_rng
+def test_the_rng_goes_by_name_or_annotation_not_by_position() -> None:
+    from aioloader._runtime.worker import takes_rng
 
     def with_default(raw: bytes, rng: object = None) -> bytes:
         return raw
 
-    assert takes_rng(with_default)
-    assert not takes_rng(index_of)
+    def annotated(raw: bytes, generator: np.random.Generator) -> bytes:
+        return raw
+
+    def a_size(raw: bytes, size: int = 224) -> bytes:
+        return raw
+
+    assert takes_rng(with_default) and takes_rng(annotated) and takes_rng(lambda raw, rng: raw)
+    assert not takes_rng(a_size) and not takes_rng(index_of) and not takes_rng(lambda a, b: a)

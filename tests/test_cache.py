@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader._runtime import transport
+from aioloader._runtime import shm
 from aioloader.testing import TestServer
 
 from decoders import SAMPLE_COUNT, index_of
 
-pytestmark = pytest.mark.skipif(not transport.available(), reason="needs /dev/shm (Linux)")
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm (Linux)")
 
 
 def decode_once(raw: bytes) -> tuple[np.ndarray, int]:
@@ -28,7 +28,7 @@ def flip(value: tuple[np.ndarray, int], rng: np.random.Generator) -> dict[str, o
 
 
 def segments() -> set[str]:
-    return {n for n in os.listdir(transport.SHM_DIR) if n.startswith("aioloader-cache")}
+    return {n for n in os.listdir(shm.SHM_DIR) if "-cache-" in n}
 
 
 Batches = list[list[tuple[list[int], list[list[int]]]]]
@@ -108,7 +108,7 @@ def test_disk_cache_serves_epoch_two_and_evicts_least_recently_used(
 
 
 def named_segments(name: str) -> set[str]:
-    return {n for n in os.listdir(transport.SHM_DIR) if n.startswith(f"aioloader-cache-{name}")}
+    return {n for n in os.listdir(shm.SHM_DIR) if f"-cache-{name}-" in n}
 
 
 @pytest.mark.parametrize("ending", ["the other leaves first", "the other is killed"])

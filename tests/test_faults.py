@@ -125,7 +125,7 @@ def test_slow_and_stopped_consumers_keep_memory_within_the_prefetch_bound(
                 time.sleep(0.02)
             peaks.append(me.memory_info().rss / 1e6)
             del batch
-    bound = (loader._window() + loader.prefetch + 4) * batch_mb  # chunks in flight + queue
+    bound = (loader._decode_window() + loader.prefetch + 4) * batch_mb  # decoding + waiting
     assert max(peaks) - peaks[0] < bound + 20  # + 20 MB for the interpreter's own churn
 
 

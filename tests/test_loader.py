@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import aioloader
+from aioloader._errors import RemoteTraceback
 from aioloader.testing import TestServer
 
 from decoders import (
@@ -162,7 +163,9 @@ def test_decode_error_names_the_sample_and_keeps_the_traceback(
         list(loader)
     message = str(caught.value)
     assert "sample 7" in message and urls[7] in message
-    assert "ZeroDivisionError: sample seven is cursed" in message and "fail_on_seven" in message
+    assert "ZeroDivisionError: sample seven is cursed" in message and "\n" not in message
+    assert isinstance(caught.value.__cause__, RemoteTraceback)
+    assert "fail_on_seven" in str(caught.value.__cause__)  # the decode process's traceback
     del loader
 
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader._runtime import transport
+from aioloader._runtime import shm
 
 from decoders import SAMPLE_COUNT, big_image, die_on_five
 
-pytestmark = pytest.mark.skipif(not transport.available(), reason="needs /dev/shm (Linux)")
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm (Linux)")
 
 
 def segments() -> set[str]:
-    return {name for name in os.listdir(transport.SHM_DIR) if name.startswith("aioloader-")}
+    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith("aioloader-")}
 
 
 def segments_settle(expected: set[str]) -> set[str]:

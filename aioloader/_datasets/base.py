@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from typing import Any
 
 
@@ -20,6 +27,15 @@ class Dataset(abc.ABC):
     @abc.abstractmethod
     async def fetch(self, index: int) -> Any:
         """The raw item at `index` (bytes, or anything picklable for `decode`)."""
+
+    batched_fetch: bool = False
+    """True when `fetch_many` reads a chunk of samples more cheaply than `fetch` one by one
+    (files on local disk, data in memory): the loader then makes one call per chunk instead of
+    one task per sample."""
+
+    async def fetch_many(self, indices: Sequence[int]) -> list[Any]:
+        """The raw items at `indices`, in order; used when `batched_fetch` is True."""
+        return [await self.fetch(index) for index in indices]
 
     def key(self, index: int) -> str:
         """A name for the sample at `index`, used in error messages."""

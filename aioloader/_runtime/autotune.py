@@ -9,10 +9,11 @@ it goes back down by a quarter and stays until the picture changes. Otherwise it
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._stats import LoaderStats, now
+from .._stats import now
 
 START, LOWEST, HIGHEST = 16, 4, 1024
 INTERVAL = 0.5
@@ -20,7 +21,8 @@ MIN_GAIN = 0.05
 
 
 class ReadLimit:
-    """A semaphore whose size can change while tasks wait on it."""
+    """A counting semaphore whose size can change while tasks wait on it; it also measures how
+    long every slot was taken (the sign that more reads in flight might help)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -28,27 +30,39 @@ class ReadLimit:
         self.busy_since: float | None = None
         """When every slot last became taken; None while some are free."""
         self.full_seconds = 0.0
-        self._changed = asyncio.Condition()
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
-    async def __aenter__(self) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.in_use < self.limit)
-            self.in_use += 1
-            if self.in_use >= self.limit and self.busy_since is None:
-                self.busy_since = now()
+    async def acquire(self) -> None:
+        while self.in_use >= self.limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                self._waiters.remove(waiter)
+        self.in_use += 1
+        if self.in_use >= self.limit and self.busy_since is None:
+            self.busy_since = now()
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        async with self._changed:
-            if self.busy_since is not None:
-                self.full_seconds += now() - self.busy_since
-                self.busy_since = None
-            self.in_use -= 1
-            self._changed.notify()
+    def release(self) -> None:
+        if self.busy_since is not None:
+            self.full_seconds += now() - self.busy_since
+            self.busy_since = None
+        self.in_use -= 1
+        self._wake()
 
-    async def resize(self, limit: int) -> None:
-        async with self._changed:
-            self.limit = limit
-            self._changed.notify_all()
+    def resize(self, limit: int) -> None:
+        self.limit = limit
+        self._wake()
+
+    def _wake(self) -> None:
+        free = self.limit - self.in_use
+        for waiter in self._waiters:
+            if free <= 0:
+                break
+            if not waiter.done():
+                waiter.set_result(None)
+                free -= 1
 
     def take_full_seconds(self) -> float:
         """Seconds every slot was taken since the last call."""
@@ -66,18 +80,21 @@ class _Sample:
     latency: float
 
 
-class Tuner:
-    """Moves a ReadLimit by what the stats say; run `tune()` as a task beside the producer."""
+Marks = Callable[[], tuple[int, float, float]]
+"""Reads so far, seconds they took, seconds the consumer waited."""
 
-    def __init__(self, limit: ReadLimit, stats: LoaderStats, report: Callable[[int], None]) -> None:
+
+class Tuner:
+    """Moves a ReadLimit by what the pass observed; run `tune()` as a task beside it."""
+
+    def __init__(self, limit: ReadLimit, marks: Marks, report: Callable[[int], None]) -> None:
         self._limit = limit
-        self._stats = stats
+        self._marks_now = marks
         self._report = report
         self._before_growth: _Sample | None = None
 
     def _marks(self) -> tuple[int, float, float, float]:
-        stats = self._stats
-        return stats.fetch.count, stats.fetch.total, stats.consumer_wait.total, now()
+        return (*self._marks_now(), now())
 
     async def tune(self) -> None:
         before = self._marks()
@@ -109,5 +126,5 @@ class Tuner:
             await self._set(min(HIGHEST, int(limit * 1.5) + 1))
 
     async def _set(self, limit: int) -> None:
-        await self._limit.resize(limit)
+        self._limit.resize(limit)
         self._report(limit)

@@ -1,46 +1,41 @@
 """Batches handed back from decode processes through shared memory instead of pickles.
 
-The main process owns a bounded pool of blocks in /dev/shm. Each decode task is lent a block;
-the process writes the batch's arrays into it and sends back only their places (offset, shape,
-dtype). The main process maps them as numpy arrays over the block, without a copy. A block goes
-back to the pool only when no array viewing it is alive (a finalizer on the array the views
-hang from), so batches a consumer keeps never change. Blocks are registered with Python's
-resource tracker, which removes them should this process die, and removed by `close()`.
-Results under `SMALL_RESULT` bytes of arrays keep the pickle path; Linux only.
+The main process owns a bounded pool of blocks. Each decode task is lent one (`Slot`): a block
+of known size, or a fresh name the decode process creates the block under, at the size its
+batch needs, with the space reserved so that a full /dev/shm gives a pickled batch and a warning
+instead of SIGBUS. The process writes the batch's arrays into the block and sends back only
+their places; the main process maps them as numpy arrays over the block, without a copy. A
+block returns to the pool only when no array viewing it is alive, so batches a consumer keeps
+never change. Results under `SMALL_RESULT` bytes of arrays keep the pickle path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import mmap
-import os
-import secrets
-import sys
 import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-SHM_DIR = "/dev/shm"
+from . import shm
+from .shm import NoSpace
+
+__all__ = ["NoSpace"]
+
 SMALL_RESULT = 64 * 1024
 ALIGN = 64
 _ATTACHED_IN_WORKER = 32
 
 
-def available() -> bool:
-    return sys.platform == "linux" and os.path.isdir(SHM_DIR)
-
-
 @dataclass(frozen=True)
 class Slot:
-    """A block lent to one decode task."""
+    """A block lent to one decode task; size 0: a fresh name the process creates."""
 
     name: str
     size: int
@@ -97,32 +92,29 @@ def shared_bytes(value: Any) -> int:
 _attached: OrderedDict[str, mmap.mmap] = OrderedDict()
 
 
-def _attach(name: str) -> mmap.mmap:
-    block = _attached.pop(name, None)
-    if block is None:
-        with open(SHM_DIR + name, "r+b") as file:
-            block = mmap.mmap(file.fileno(), 0)
-        while len(_attached) >= _ATTACHED_IN_WORKER:
-            _attached.popitem(last=False)[1].close()
+def _remember(name: str, block: mmap.mmap) -> mmap.mmap:
     _attached[name] = block
+    while len(_attached) > _ATTACHED_IN_WORKER:
+        _attached.popitem(last=False)[1].close()
     return block
 
 
-def fits(slot: Slot, needed: int) -> bool:
-    """Can the slot take `needed` bytes: an existing block large enough, or a fresh name."""
-    return needed <= slot.size or slot.size == 0
+def _block(name: str) -> mmap.mmap:
+    block = _attached.pop(name, None)
+    return _remember(name, block if block is not None else shm.attach(name))
 
 
-def write(value: Any, slot: Slot, needed: int) -> Any:
-    """Copy the shareable arrays of `value` into the slot's block (made now, `needed` bytes
-    large, when the slot is a fresh name); their places instead of them."""
+def write(value: Any, slot: Slot, needed: int) -> Any | None:
+    """The shareable arrays of `value` copied into the slot's block (created now, `needed`
+    bytes, when the slot is a fresh name), replaced by their places; None if the block is too
+    small. NoSpace when /dev/shm cannot hold a fresh block."""
     if slot.size == 0:
-        descriptor = os.open(SHM_DIR + slot.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(descriptor, needed)
-        finally:
-            os.close(descriptor)
-    memory = np.frombuffer(_attach(slot.name), np.uint8)
+        block = _remember(slot.name, shm.create(slot.name, needed))
+    elif needed <= slot.size:
+        block = _block(slot.name)
+    else:
+        return None
+    memory = np.frombuffer(block, np.uint8)
     offset = 0
 
     def place(array: npt.NDArray[Any]) -> Any:
@@ -147,7 +139,7 @@ class BlockAllocator:
     straight into shared memory (one copy less than collating, then copying)."""
 
     def __init__(self, slot: Slot) -> None:
-        self._memory = np.frombuffer(_attach(slot.name), np.uint8)
+        self._memory = np.frombuffer(_block(slot.name), np.uint8)
         self.used = 0
         self._places: dict[int, tuple[npt.NDArray[Any], SharedArray]] = {}
 
@@ -172,9 +164,8 @@ class BlockPool:
     """The main process's blocks: lent to tasks, mapped into batches, reused when free.
 
     A task is lent a free block, or, while there are fewer than `max_blocks`, a fresh name the
-    decode process creates the block under, at the size its batch needs. A block too small
-    for a later batch is retired. Every name is registered with the resource tracker before
-    a process may create it.
+    decode process creates the block under. A block too small for a later batch is retired.
+    Blocks carry this process's name prefix, so the zygote removes them if this process dies.
     """
 
     def __init__(self, max_blocks: int) -> None:
@@ -183,11 +174,12 @@ class BlockPool:
         self._sizes: dict[str, int] = {}
         """Every name lent or free; size 0 while a decode process may still be creating it."""
         self._free: list[str] = []
-        self._orphans: set[str] = set()
+        self._late: set[str] = set()
+        """Names lent to processes that were killed: unlinked now and again at close, in case
+        a dying process created one after the first unlink."""
         self._lock = threading.Lock()
         self._closed = False
-        self._names = (f"/aioloader-{os.getpid()}-{secrets.token_hex(4)}-{n}"
-                       for n in itertools.count())
+        self._names = (f"{shm.new_name('batch')}-{n}" for n in itertools.count())
 
     def lease(self) -> Slot | None:
         """A block for one task, or None when all are lent out (then the result is pickled)."""
@@ -200,36 +192,30 @@ class BlockPool:
             if len(self._sizes) >= self.max_blocks:
                 return None
             name = next(self._names)
-            resource_tracker.register(name, "shared_memory")
             self._sizes[name] = 0
             return Slot(name, 0)
 
     def release(self, name: str) -> None:
-        """The task is over or its views are gone: the block is free again (a fresh name that
-        was not used, or a block too small for the last batch, is removed)."""
+        """The task is over (its process did not create a fresh block) or the views are gone:
+        the block is free again."""
         with self._lock:
             if name not in self._sizes:
                 return
-            if name not in self._maps:
-                # a fresh name whose task ended early: its process may still be creating the
-                # block, so it stays registered until the processes are gone (sweep)
-                self._orphans.add(name)
-            elif self._closed:
+            if name not in self._maps or self._closed:
                 self._remove(name)
             elif name not in self._free:
                 self._free.append(name)
 
-    def sweep(self) -> None:
-        """Remove fresh names lent to tasks that ended early; call once no decode process
-        that could still create them is running."""
-        with self._lock:
-            for name in self._orphans:
-                self._remove(name)
-            self._orphans.clear()
-
     def retire(self, name: str) -> None:
+        """Unlink a block now: too small, or lent to a process now surely stopped."""
         with self._lock:
             self._remove(name)
+
+    def retire_later(self, name: str) -> None:
+        """Unlink a block lent to a process that may still be writing it."""
+        with self._lock:
+            self._remove(name)
+            self._late.add(name)
 
     def adopt(self, value: Any, slot: Slot) -> Any:
         """`value` with each SharedArray replaced by a view of the block; the block returns
@@ -237,8 +223,7 @@ class BlockPool:
         with self._lock:
             block = self._maps.get(slot.name)
             if block is None:  # made by the decode process just now
-                with open(SHM_DIR + slot.name, "r+b") as file:
-                    block = self._maps[slot.name] = mmap.mmap(file.fileno(), 0)
+                block = self._maps[slot.name] = shm.attach(slot.name)
                 self._sizes[slot.name] = len(block)
         owner = np.frombuffer(block, np.uint8)
         weakref.finalize(owner, self.release, slot.name)
@@ -256,9 +241,7 @@ class BlockPool:
         self._sizes.pop(name, None)
         if name in self._free:
             self._free.remove(name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(SHM_DIR + name)
-        resource_tracker.unregister(name, "shared_memory")
+        shm.unlink(name)
 
     @property
     def segments(self) -> int:
@@ -268,6 +251,6 @@ class BlockPool:
         """Unlink every block now; batches still held keep their memory until dropped."""
         with self._lock:
             self._closed = True
-            for name in list(self._sizes):
+            for name in [*self._sizes, *self._late]:
                 self._remove(name)
-            self._orphans.clear()
+            self._late.clear()

@@ -17,8 +17,8 @@ import numpy.typing as npt
 
 from .._datasets import Files
 from .._loader import Loader
-from .._runtime.workers import process_context
 from ..testing import TestServer
+from .packing import process_context
 
 CLASSES = 10
 CROP = 224

@@ -8,6 +8,8 @@ input order, so the output is the same whatever the number of processes.
 from __future__ import annotations
 
 import io
+import multiprocessing
+import sys
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +20,12 @@ from tqdm import tqdm
 
 from .. import recordio
 from .._closing import Closing
-from .._runtime.workers import process_context
+
+
+def process_context() -> multiprocessing.context.BaseContext:
+    """forkserver on Linux (never plain fork: threads may be running), spawn elsewhere."""
+    return multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
+
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 

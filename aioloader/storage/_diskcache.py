@@ -35,6 +35,11 @@ class DiskCache:
         self.size = sum(self._sizes.values())
         self.hits = self.misses = 0
 
+    def report(self) -> dict[str, float]:
+        """Hits, misses and size, for loader.stats."""
+        return {"disk_hits": self.hits, "disk_misses": self.misses,
+                "disk_gib": round(self.size / (1 << 30), 4)}
+
     def path(self, url: str, start: int | None, end: int | None) -> Path:
         key = f"{url}\0{start}\0{end}".encode()
         return self.directory / hashlib.sha256(key).hexdigest()

@@ -1,0 +1,337 @@
+"""Where a pass's chunks are decoded: inline (num_workers=0), on an executor the caller owns, or
+in the decode pool, with deadlines and recovery from processes that die."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import pickle
+import signal
+import warnings
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .._errors import DecodeTimeoutError, LoaderError, RemoteTraceback, WorkerDiedError
+from .._stats import now
+from .blocking import off_loop
+from .channel import dumps
+from .pool import LOST, DecodePool, DecodeProcess
+from .worker import Chunk, ChunkResult, DecodeSpec, Done, InitFailed, Ready, Task, run_chunk
+
+PER_PROCESS = 2
+"""Chunks queued at a decode process: one running, one waiting, so it never idles between."""
+STATUS_WAIT = 5.0
+
+
+class Decoder(Protocol):
+    async def decode(self, chunk: Chunk) -> ChunkResult: ...
+
+    def in_flight(self) -> list[tuple[float, str]]:
+        """(seconds running, what) of the chunks being decoded, for the stall watchdog."""
+        ...
+
+    def abandon(self) -> None:
+        """The pass was dropped: let go at once, without awaiting."""
+        ...
+
+    async def aclose(self) -> None:
+        """The pass ends: let go; once this returns, no process still writes for the pass."""
+        ...
+
+
+class InlineDecoder:
+    """num_workers=0: decode in the event loop's thread, for debugging with pdb."""
+
+    def __init__(self, spec: DecodeSpec) -> None:
+        self._spec = spec
+
+    async def decode(self, chunk: Chunk) -> ChunkResult:
+        return run_chunk(self._spec, chunk)
+
+    def in_flight(self) -> list[tuple[float, str]]:
+        return []
+
+    def abandon(self) -> None:
+        return
+
+    async def aclose(self) -> None:
+        return
+
+
+@functools.lru_cache(maxsize=4)
+def _spec_from(data: bytes) -> DecodeSpec:
+    spec: DecodeSpec = pickle.loads(data)
+    return spec
+
+
+def run_pickled_chunk(spec: bytes, chunk: Chunk) -> ChunkResult:
+    """For executors that pickle with plain pickle: the spec travels as cloudpickle bytes."""
+    return run_chunk(_spec_from(spec), chunk)
+
+
+class ExecutorDecoder:
+    """Decoding on an executor the caller owns (a Dask cluster's, say); it stays open."""
+
+    def __init__(self, spec: DecodeSpec, executor: Executor) -> None:
+        self._spec = dumps(spec)
+        self._executor = executor
+
+    async def decode(self, chunk: Chunk) -> ChunkResult:
+        return await asyncio.wrap_future(
+            self._executor.submit(run_pickled_chunk, self._spec, chunk)
+        )
+
+    def in_flight(self) -> list[tuple[float, str]]:
+        return []
+
+    def abandon(self) -> None:
+        return
+
+    async def aclose(self) -> None:
+        return
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    chunk: Chunk
+    future: asyncio.Future[ChunkResult]
+    deaths: int = 0
+    started: float = field(default=0.0)
+    """When its process began it (it reached the head of that process's queue)."""
+
+
+def describe_exit(status: int | None) -> str:
+    if status is None:
+        return "exit status unknown"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit code {status}"
+
+
+def short_list(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+
+
+class PoolDecoder:
+    """A pass's hold on the decode pool.
+
+    Chunks go to the least busy process, at most PER_PROCESS each. A chunk running longer than
+    `decode_timeout` gets its process killed and fails (or, skipping errors, is skipped). A
+    process that dies is replaced and its chunks are sent again, in order, up to
+    `max_restarts` times per pass; a chunk that was running when a process died twice is not
+    sent a third time (a poison chunk). Every sample still comes out once, with the same rng.
+    """
+
+    def __init__(
+        self,
+        pool: DecodePool,
+        decode_timeout: float | None,
+        max_restarts: int,
+        skip_errors: bool,
+        on_restart: Callable[[str], None],
+    ) -> None:
+        self._pool = pool
+        self._timeout = decode_timeout
+        self._max_restarts = max_restarts
+        self._skip_errors = skip_errors
+        self._on_restart = on_restart
+        self._loop = asyncio.get_running_loop()
+        self._ids = itertools.count()
+        self._waiting: deque[_Job] = deque()
+        self._assigned: dict[int, deque[_Job]] = {p.id: deque() for p in pool.processes}
+        self._failure: BaseException | None = None
+        self._expected_deaths: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._held: list[DecodeProcess] = []
+        self.restarts = 0
+        self.timeouts = 0
+        pool.listen(self._on_message, self._loop)
+        if decode_timeout is not None:
+            self._spawn(self._watch_deadlines())
+
+    async def start(self) -> None:
+        """Replace processes that a previous pass left dead or retired."""
+        for process in list(self._pool.processes):
+            if process.retired or not process.alive:
+                await off_loop(self._pool.replace, process)
+        self._dispatch()
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)  # type: ignore[call-overload]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def decode(self, chunk: Chunk) -> ChunkResult:
+        if self._failure is not None:
+            raise self._failure
+        job = _Job(next(self._ids), chunk, self._loop.create_future())
+        self._waiting.append(job)
+        self._dispatch()
+        return await job.future
+
+    def _dispatch(self) -> None:
+        ready = [p for p in self._pool.processes if p.ready and p.alive and not p.retired]
+        while self._waiting and ready:
+            process = min(ready, key=lambda p: len(self._assigned[p.id]))
+            queue = self._assigned[process.id]
+            if len(queue) >= PER_PROCESS:
+                return
+            job = self._waiting.popleft()
+            if job.future.done():
+                continue  # its batch was given up on
+            if not queue:
+                job.started = now()
+            queue.append(job)
+            process.send(Task(job.id, job.chunk))
+
+    def _on_message(self, process: DecodeProcess, message: object) -> None:
+        if process is not self._pool.processes[process.id] or self._pool.closed:
+            return  # a process replaced meanwhile: its chunks were sent again elsewhere
+        if isinstance(message, Done):
+            queue = self._assigned[process.id]
+            job = next((j for j in queue if j.id == message.id), None)
+            if job is not None:
+                queue.remove(job)
+                if not job.future.done():
+                    job.future.set_result(message.result)
+            if queue and not queue[0].started:
+                queue[0].started = now()
+            self._dispatch()
+        elif isinstance(message, Ready):
+            self._dispatch()
+        elif isinstance(message, InitFailed):
+            error = LoaderError(f"worker_init failed in {process}: {message.reason}")
+            error.__cause__ = RemoteTraceback(message.traceback)
+            self._fail(error)
+        elif message == LOST:
+            self._spawn(self._lost(process))
+
+    def _fail(self, error: BaseException) -> None:
+        """Nothing more can be decoded in this pass: every waiting chunk gets `error`."""
+        if self._failure is None:
+            self._failure = error
+        jobs = [*self._waiting, *(j for q in self._assigned.values() for j in q)]
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+        self._waiting.clear()
+
+    async def _lost(self, process: DecodeProcess) -> None:
+        """A process died: replace it and send its chunks again (or give up, past the budget)."""
+        if process.pid in self._expected_deaths or self._failure is not None:
+            return
+        jobs = list(self._assigned.pop(process.id, ()))
+        status = await off_loop(self._pool.exit_status, process, STATUS_WAIT)
+        cause = describe_exit(status)
+        self.restarts += 1
+        indices = jobs[0].chunk.indices if jobs else []
+        if self.restarts > self._max_restarts:
+            self._fail(WorkerDiedError(
+                f"{process} ended abruptly ({cause}) while decoding samples "
+                f"{short_list(indices)}, after {self._max_restarts} restarts in this pass "
+                "(max_worker_restarts); the OOM killer or a crash in native code are the "
+                "usual causes"
+            ))
+            return
+        self._on_restart(f"{process} ended abruptly ({cause}); restarted it and sent its "
+                         f"{len(jobs)} chunk(s) again")
+        if jobs:
+            head = jobs[0]
+            head.deaths += 1
+            if head.deaths >= 2:
+                jobs.pop(0)
+                self._give_up(head, WorkerDiedError(
+                    f"samples {short_list(indices)} killed a decode process twice ({cause}); "
+                    "they are not sent again"
+                ), f"killed a decode process twice ({cause})")
+        for job in jobs:
+            job.started = 0.0
+        self._waiting.extendleft(reversed(jobs))
+        await self._replace(process)
+
+    async def _replace(self, process: DecodeProcess) -> None:
+        fresh = await off_loop(self._pool.replace, process)
+        self._assigned[fresh.id] = deque()
+        self._dispatch()
+
+    def _give_up(self, job: _Job, error: LoaderError, reason: str) -> None:
+        """A chunk that will not be decoded: its error, or all its samples skipped."""
+        if job.future.done():
+            return
+        if self._skip_errors:
+            skipped = [(n, reason) for n in range(len(job.chunk.indices))]
+            job.future.set_result(ChunkResult([], skipped))
+        else:
+            job.future.set_exception(error)
+
+    async def _watch_deadlines(self) -> None:
+        assert self._timeout is not None
+        while True:
+            await asyncio.sleep(min(self._timeout / 4, 0.5))
+            moment = now()
+            for process in list(self._pool.processes):
+                queue = self._assigned.get(process.id)
+                if not queue or not queue[0].started:
+                    continue
+                if moment - queue[0].started > self._timeout:
+                    self._time_out(process, queue)
+
+    def _time_out(self, process: DecodeProcess, queue: deque[_Job]) -> None:
+        assert self._timeout is not None
+        self.timeouts += 1
+        self._expected_deaths.add(process.pid)
+        process.kill()
+        head = queue.popleft()
+        self._assigned.pop(process.id, None)
+        self._give_up(head, DecodeTimeoutError(
+            f"decoding samples {short_list(head.chunk.indices)} took longer than "
+            f"decode_timeout={self._timeout:g} s in {process}; the process was killed"
+        ), f"decode took longer than decode_timeout={self._timeout:g} s")
+        for job in queue:
+            job.started = 0.0
+        self._waiting.extendleft(reversed(queue))
+        self._spawn(self._replace(process))
+
+    def in_flight(self) -> list[tuple[float, str]]:
+        moment = now()
+        return [
+            (moment - queue[0].started, f"samples {short_list(queue[0].chunk.indices)} in "
+             f"{self._pool.processes[worker_id]}")
+            for worker_id, queue in self._assigned.items() if queue and queue[0].started
+        ]
+
+    def _release(self) -> list[DecodeProcess]:
+        """Stop listening; kill the processes still holding chunks of this pass."""
+        self._pool.listen(None)
+        for task in self._tasks:
+            task.cancel()
+        busy = [self._pool.processes[i] for i, queue in self._assigned.items() if queue]
+        for process in busy:
+            process.retire()
+        for job in [*self._waiting, *(j for q in self._assigned.values() for j in q)]:
+            job.future.cancel()
+        return busy
+
+    def abandon(self) -> None:
+        self._release()
+
+    async def aclose(self) -> None:
+        busy = self._release()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for process in busy:  # its blocks may be dropped only once it surely stopped writing
+            await off_loop(self._pool.exit_status, process, STATUS_WAIT)
+
+
+def warn_restart(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=2)

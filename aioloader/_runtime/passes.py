@@ -1,0 +1,440 @@
+"""A pass: one iteration over (the rest of) an epoch, in one event loop.
+
+A pass owns everything it starts: its storage (connection pools), its read and decode tasks, its
+hold on the decode pool (the pool itself when workers are not persistent) and the shared blocks
+lent to its chunks. It releases all of it on every exit path (the end, a `break`, an error, the
+loader closing) in the loop that runs it, or, when it was dropped without being closed, at once
+and without waiting.
+
+Inside, the stages have one job each: the source reads raw items ahead (bounded by the memory
+limit and the read-ahead, not by batches), the decode stage sends complete chunks to the decoder
+(at most `decode_window` chunks decoding or finished and not yet taken), the hand-over gives the
+consumer finished batches in order, and a watchdog fails the pass if nothing moves for
+`stall_timeout` seconds while something is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import threading
+import warnings
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import LoaderError, RemoteTraceback, SampleError, StallError
+from .._stats import LoaderStats, now
+from ..storage._storage import Storage
+from .blocking import off_loop
+from .decoders import Decoder
+from .handover import EMPTY, Failed, Finished, Handover
+from .pool import DecodePool
+from .sources import SKIPPED, Pending, estimate_bytes
+from .transport import BlockPool, Slot
+from .worker import Chunk, ChunkResult
+
+END = object()
+"""What `Pass.next` returns after the last batch."""
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """The loader's settings as the pass started: later changes do not reach a running pass."""
+
+    epoch: int
+    batch_size: int | None
+    steps_per_chunk: int
+    ordered: bool
+    skip_errors: bool
+    memory_limit: int
+    read_ahead: int
+    """Samples read or being read ahead of the decode stage, at most."""
+    decode_window: int
+    """Chunks decoding or finished and not yet taken, at most."""
+    stall_timeout: float
+
+
+class Source(Protocol):
+    async def feed(self, work: Any) -> None: ...
+
+    def position(self, steps_done: int) -> int: ...
+
+    def key(self, pending: Pending, position: int) -> str: ...
+
+    def oldest_read(self) -> tuple[float, str] | None: ...
+
+
+class Pass:
+    def __init__(
+        self,
+        config: PassConfig,
+        source: Source,
+        decoder: Decoder,
+        blocks: BlockPool | None,
+        stats: LoaderStats,
+        storage: Storage,
+        run_in_context: Callable[[Callable[[], asyncio.Task[None]]], asyncio.Task[None]],
+        owned_pool: DecodePool | None = None,
+        side_tasks: list[Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        self.config = config
+        self._source = source
+        self._decoder = decoder
+        self._blocks = blocks
+        self._stats = stats
+        self._storage = storage
+        self._run_in_context = run_in_context
+        self._owned_pool = owned_pool
+        self._side_tasks = side_tasks or []
+        self._loop = asyncio.get_running_loop()
+        self._handover = Handover(config.ordered)
+        self._ready: list[tuple[int, int, Pending]] = []
+        """Chunks whose raws are all in, by first step (a heap)."""
+        self._stage_changed = asyncio.Event()
+        """Set when the decode stage may have something to do."""
+        self._room_changed = asyncio.Event()
+        """Set when the source may have room to read more."""
+        self._fed = False
+        self._feed_error: BaseException | None = None
+        self._next_step = 0
+        self._held = 0
+        self._ahead = 0
+        self._decoding = 0
+        self._lent: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._progress_at = now()
+        self._started = now()
+        self._busy_before = stats.busy_seconds
+        self._handed_over_at: float | None = None
+        self._delivered_samples = 0
+        self._skipped_before = stats.skipped
+        self.steps_done = 0
+        self.finished = False
+        self.closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        start = getattr(self._decoder, "start", None)
+        if start is not None:
+            await start()
+        self._tasks.add(self._run_in_context(lambda: self._spawn(self._feed(), "feed")))
+        self._spawn(self._decode_stage(), "decode")
+        self._spawn(self._watch(), "watchdog")
+        for side in self._side_tasks:
+            self._spawn(side, "side")
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = self._loop.create_task(coroutine, name=f"aioloader-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def fail(self, error: BaseException) -> None:
+        """Make the consumer's next wait raise `error`; the pass is then closed by its owner."""
+        self._handover.fail(error)
+
+    def abandon(self) -> None:
+        """The pass was dropped without being closed (a `break` in `async for`): release at
+        once, without awaiting: stop the tasks, let go of the decode processes."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        self._decoder.abandon()
+        if self._blocks is not None:
+            for name in self._lent:
+                self._blocks.retire_later(name)
+        if self._owned_pool is not None:
+            threading.Thread(target=self._owned_pool.close, name="aioloader-pool-close",
+                             daemon=True).start()
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the session goes with it
+            self._loop.create_task(self._storage.aclose())
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._decoder.aclose()  # busy processes are stopped: blocks are safe to drop
+            if self._blocks is not None:
+                for name in self._lent:
+                    self._blocks.retire(name)
+            if self._owned_pool is not None:
+                await off_loop(self._owned_pool.close)
+        finally:
+            await self._storage.aclose()
+
+    @property
+    def position(self) -> int:
+        return self._source.position(self.steps_done)
+
+    # -- the consumer's side ----------------------------------------------------------------------
+
+    async def next(self) -> Any:
+        """The next batch, or END; raises the first failure in step order."""
+        stats = self._stats
+        asked = now()
+        if self._handed_over_at is not None:
+            stats.event("consumer", self._handed_over_at, asked, "step")
+        while True:
+            finished = await self._handover.take()
+            self._progress_at = got = now()
+            if finished is None:
+                self.finished = True
+                self._check_not_all_skipped()
+                return END
+            self._held -= finished.held
+            self._room_changed.set()
+            self._stage_changed.set()
+            self.steps_done = self._handover.steps_done(finished.step)
+            stats.queue_wait.add(got - finished.at)
+            stats.busy_seconds = self._busy_before + got - self._started
+            if isinstance(finished.item, Failed):
+                raise finished.item.error
+            if finished.item is not EMPTY:
+                stats.batches += 1
+                stats.consumer_wait.add(got - asked)
+                stats.event("consumer", asked, got, "wait")
+                self._handed_over_at = got
+                return finished.item
+
+    def _check_not_all_skipped(self) -> None:
+        if self._delivered_samples == 0 and self._skipped_here:
+            reasons = "; ".join(list(self._stats.skip_reasons)[:3])
+            raise LoaderError(
+                f"every sample of this pass failed ({self._skipped_here} skipped with "
+                f'on_error="skip"); first reasons: {reasons}'
+            )
+
+    @property
+    def _skipped_here(self) -> int:
+        return self._stats.skipped - self._skipped_before
+
+    # -- what the source sees (the Work protocol) ------------------------------------------------
+
+    async def room(self) -> None:
+        config = self.config
+        while self._held >= config.memory_limit or self._ahead >= config.read_ahead:
+            self._room_changed.clear()
+            await self._room_changed.wait()
+
+    def reading(self, pending: Pending, count: int) -> None:
+        pending.ahead += count
+        self._ahead += count
+
+    def hold(self, pending: Pending, raw: Any) -> None:
+        size = estimate_bytes(raw)
+        pending.held += size
+        self._held += size
+        self._progress_at = now()
+
+    def complete(self, pending: Pending) -> None:
+        heapq.heappush(self._ready, (pending.first_step, id(pending), pending))
+        self._stage_changed.set()
+
+    def drop(self, pending: Pending) -> None:
+        self._release(pending)
+
+    def _release(self, pending: Pending) -> None:
+        self._held -= pending.held
+        self._ahead -= pending.ahead
+        self._room_changed.set()
+        self._stage_changed.set()
+
+    async def _feed(self) -> None:
+        try:
+            await self._source.feed(self)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._feed_error = e
+        finally:
+            self._fed = True
+            self._stage_changed.set()
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    async def _decode_stage(self) -> None:
+        decoding: set[asyncio.Task[None]] = set()
+        while True:
+            while not self._fed and not self._may_decode():
+                self._stage_changed.clear()
+                await self._stage_changed.wait()
+            if not self._ready:
+                break
+            if not self._may_decode():  # everything is fed: wait for the window only
+                self._stage_changed.clear()
+                await self._stage_changed.wait()
+                continue
+            pending = heapq.heappop(self._ready)[2]
+            self._decoding += 1
+            self._next_step = max(self._next_step, pending.first_step + pending.steps)
+            task = self._spawn(self._decode(pending), "chunk")
+            decoding.add(task)
+            task.add_done_callback(decoding.discard)
+        if decoding:
+            await asyncio.wait(decoding)
+        if self._feed_error is not None:
+            self._handover.put(Finished(self._next_step, Failed(self._feed_error), 0, now()))
+        self._handover.finish()
+
+    def _may_decode(self) -> bool:
+        """Whether the first ready chunk may start decoding. In order, the window is a distance
+        ahead of the next step to hand over, so the chunk the consumer waits for always may;
+        out of order, it is a count of chunks decoding or finished."""
+        if not self._ready:
+            return False
+        window = self.config.decode_window
+        if self.config.ordered:
+            first_step = self._ready[0][0]
+            return first_step < self._handover.next_step + window * self.config.steps_per_chunk
+        waiting_chunks = -(-self._handover.waiting // self.config.steps_per_chunk)
+        return self._decoding + waiting_chunks < window
+
+    async def _decode(self, pending: Pending) -> None:
+        try:
+            outcome, held = await self._decode_chunk(pending)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            outcome, held = Failed(e), 0
+        finally:
+            self._decoding -= 1
+            self._release(pending)
+        self._progress_at = moment = now()
+        self._held += held
+        if isinstance(outcome, Failed):
+            self._handover.put(Finished(pending.first_step, outcome, held, moment))
+            return
+        share = held // max(len(outcome), 1)
+        for n, item in enumerate(outcome):
+            last = n == len(outcome) - 1
+            part = held - share * (len(outcome) - 1) if last else share
+            self._handover.put(Finished(pending.first_step + n, item, part, moment))
+
+    async def _decode_chunk(self, pending: Pending) -> tuple[list[Any] | Failed, int]:
+        """The chunk's items, one per step (EMPTY where everything was skipped), and the bytes
+        they hold; or the chunk's failure."""
+        if pending.failure is not None:
+            return Failed(pending.failure), 0
+        kept = [n for n, raw in enumerate(pending.raws) if raw is not SKIPPED]
+        slot = self._blocks.lease() if self._blocks is not None else None
+        if slot is not None:
+            self._lent.add(slot.name)
+        chunk = Chunk(self.config.epoch, [pending.indices[n] for n in kept],
+                      [pending.raws[n] for n in kept], slot)
+        try:
+            result = await self._decoder.decode(chunk)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            if slot is not None and self._blocks is not None:
+                self._lent.discard(slot.name)
+                self._blocks.retire_later(slot.name)  # its process may have been mid-write
+            raise
+        held = self._receive(result, slot)
+        self._record(result)
+        failure = self._failure_of(pending, kept, result)
+        if failure is not None:
+            return Failed(failure), held
+        self._delivered_samples += len(kept) - len(result.skipped)
+        if self.config.batch_size:
+            return [result.items[0] if result.items else EMPTY], held
+        decoded = iter(result.items)
+        skipped = {kept[position] for position, _ in result.skipped}
+        skipped.update(n for n, raw in enumerate(pending.raws) if raw is SKIPPED)
+        return [EMPTY if n in skipped else next(decoded) for n in range(pending.steps)], held
+
+    def _receive(self, result: ChunkResult, slot: Slot | None) -> int:
+        """Map a result's arrays out of its shared block, or give the unused block back; the
+        bytes the result holds."""
+        blocks, transport = self._blocks, self._stats.transport
+        if blocks is not None and slot is not None:
+            self._lent.discard(slot.name)
+            if result.shared:
+                result.items = blocks.adopt(result.items, slot)
+                transport["shared"] += 1
+                return result.needed
+            if result.no_space:
+                self._warn_no_space(result.needed)
+            if result.needed > slot.size > 0:
+                blocks.retire(slot.name)  # too small for these batches: a fresh one next time
+            else:
+                blocks.release(slot.name)
+        if result.items and result.needed:
+            transport["pickled"] += 1
+        return result.needed
+
+    def _warn_no_space(self, needed: int) -> None:
+        self._stats.transport["no_space"] = self._stats.transport.get("no_space", 0) + 1
+        if self._stats.transport["no_space"] == 1:
+            warnings.warn(
+                f"/dev/shm is too small for a batch of {needed / 2**20:.1f} MiB, so batches come "
+                "back pickled (slower). Grow it: docker run --shm-size=2g (or mount a larger "
+                "tmpfs on /dev/shm).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _record(self, result: ChunkResult) -> None:
+        stats = self._stats
+        for start, end in result.timings:
+            stats.decode.add(end - start)
+            stats.event(result.process, start, end, "decode")
+
+    def _failure_of(
+        self, pending: Pending, kept: list[int], result: ChunkResult
+    ) -> BaseException | None:
+        stats = self._stats
+        for position, reason in result.skipped:
+            key = self._source.key(pending, kept[position])
+            stats.record_skip(str(SampleError(pending.indices[kept[position]], key, "decode",
+                                              reason)))
+        if result.failure is None:
+            stats.samples += len(kept) - len(result.skipped)
+            return None
+        index, reason, text = result.failure
+        if index is None:
+            error: LoaderError = LoaderError(
+                f"collate failed for samples {pending.indices[:8]}: {reason}")
+        else:
+            position = pending.indices.index(index)
+            error = SampleError(index, self._source.key(pending, position), "decode", reason)
+        error.__cause__ = RemoteTraceback(text)
+        return error
+
+    # -- the watchdog ---------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        timeout = self.config.stall_timeout
+        while True:
+            await asyncio.sleep(min(max(timeout / 4, 0.05), 5.0))
+            idle = now() - self._progress_at
+            if idle < timeout:
+                continue
+            holder = self._holder()
+            if holder is not None:
+                self.fail(StallError(
+                    f"nothing was read, decoded or handed over for {idle:.0f} s "
+                    f"(stall_timeout={timeout:g}); {holder}"
+                ))
+                return
+
+    def _holder(self) -> str | None:
+        """What the pass waits on: the oldest read or decode in flight; None if nothing is."""
+        candidates = list(self._decoder.in_flight())
+        read = self._source.oldest_read()
+        if read is not None:
+            candidates.append(read)
+        if not candidates:
+            return None
+        seconds, what = max(candidates)
+        return f"{what} has been in flight for {seconds:.0f} s"

@@ -1,0 +1,130 @@
+"""The one shared-memory layer: segments in /dev/shm created with their space reserved,
+attached only when they are this user's own, unlinked, and named so that the zygote can remove
+what a dead process left behind.
+
+Reserving the space (`posix_fallocate`) at creation is what keeps a full /dev/shm from killing a
+process with SIGBUS on its first write: the caller gets `NoSpace` instead and can fall back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import secrets
+import stat
+import sys
+
+SHM_DIR = "/dev/shm"
+
+
+class NoSpace(Exception):
+    """/dev/shm cannot hold a segment of the size asked for."""
+
+    def __init__(self, needed: int) -> None:
+        self.needed = needed
+        self.free = free_bytes()
+        super().__init__(
+            f"/dev/shm has {self.free / 2**20:.0f} MiB free, {needed / 2**20:.1f} MiB were needed"
+        )
+
+
+class NotOwned(PermissionError):
+    """A segment with an expected name exists but is not this user's private file."""
+
+
+def available() -> bool:
+    return sys.platform == "linux" and os.path.isdir(SHM_DIR)
+
+
+def path(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def prefix(pid: int | None = None) -> str:
+    """Names of segments owned by process `pid` (default: this one) start with this; the
+    zygote removes them when that process dies."""
+    return f"aioloader-{os.getpid() if pid is None else pid}-"
+
+
+def new_name(kind: str) -> str:
+    """A fresh, unguessable name for a segment of this process."""
+    return f"{prefix()}{kind}-{secrets.token_hex(6)}"
+
+
+def free_bytes() -> int:
+    status = os.statvfs(SHM_DIR)
+    return status.f_bavail * status.f_frsize
+
+
+def reserve(descriptor: int, offset: int, length: int) -> None:
+    """Allocate the pages of a byte range now, so later writes cannot hit a full /dev/shm."""
+    try:
+        os.posix_fallocate(descriptor, offset, length)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise NoSpace(length) from None
+        raise
+
+
+def create(name: str, size: int, reserved: bool = True) -> mmap.mmap:
+    """A new segment of `size` bytes, mode 0600; with `reserved`, its pages are allocated now
+    (NoSpace if they do not fit), else it is sparse and the caller reserves ranges itself."""
+    descriptor = os.open(path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        if reserved:
+            reserve(descriptor, 0, size)
+        else:
+            os.ftruncate(descriptor, size)
+        return mmap.mmap(descriptor, size)
+    except BaseException:
+        unlink(name)
+        raise
+    finally:
+        os.close(descriptor)
+
+
+def open_owned(name: str) -> int:
+    """A read-write descriptor of an existing segment, after checking that it is a regular
+    file of this user that nobody else may read or write (NotOwned otherwise)."""
+    descriptor = os.open(path(name), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        check_owned(descriptor, name)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def check_owned(descriptor: int, name: str) -> None:
+    info = os.fstat(descriptor)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise NotOwned(
+            f"{path(name)} belongs to uid {info.st_uid} with mode {stat.filemode(info.st_mode)}; "
+            f"only a file of uid {os.geteuid()} with mode 0600 is used"
+        )
+
+
+def attach(name: str) -> mmap.mmap:
+    """Map an existing segment of this user's."""
+    descriptor = open_owned(name)
+    try:
+        return mmap.mmap(descriptor, 0)
+    finally:
+        os.close(descriptor)
+
+
+def unlink(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path(name))
+
+
+def remove_leftovers(pid: int) -> int:
+    """Unlink every segment process `pid` owned; how many there were."""
+    if not os.path.isdir(SHM_DIR):
+        return 0
+    names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix(pid))]
+    for name in names:
+        unlink(name)
+    return len(names)

@@ -1,0 +1,313 @@
+"""Where a pass's raw items come from: one strategy per kind of source.
+
+`PlannedSource` (map-style data) walks the epoch's plan and reads samples ahead of the batches
+being decoded, as far as the budget allows (bytes held, samples ahead), with at most
+`concurrency` reads in flight: a slow read delays its own batch, not the reads after it.
+`StreamSource` pulls a stream's items one after another. Both hand complete chunks on to the
+decode stage and report the oldest read in flight to the watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .._cache import CACHED, SharedCache
+from .._datasets import Dataset, Stream
+from .._errors import FetchError, SampleError, SampleFetchError
+from .._sampling import EpochPlan
+from .._stats import LoaderStats, now
+from .autotune import ReadLimit
+from .worker import one_line
+
+SKIPPED = object()
+"""The raw item of a sample whose fetch failed with on_error="skip"."""
+
+
+@dataclass(eq=False)
+class Pending:
+    """The samples of one decode task while the pass gathers them."""
+
+    first_step: int
+    steps: int
+    indices: list[int]
+    raws: list[Any]
+    keys: list[str] | None = None
+    """Streams name their items as they come; map-style data is asked on demand."""
+    missing: int = 0
+    held: int = 0
+    """Bytes of raw items held, counted against the memory limit."""
+    ahead: int = 0
+    """Samples this chunk counts against the read-ahead bound."""
+    failure: BaseException | None = None
+    """With on_error="raise": the failure of the earliest sample that failed."""
+    failed_at: int = -1
+
+
+class Work(Protocol):
+    """The pass as a source sees it."""
+
+    async def room(self) -> None:
+        """Return once the budget allows reading more (bytes held, samples ahead)."""
+
+    def reading(self, pending: Pending, count: int) -> None:
+        """`count` more samples of `pending` are being read ahead of the decode stage."""
+
+    def hold(self, pending: Pending, raw: Any) -> None:
+        """Count a raw item's bytes against the memory limit until its chunk is decoded."""
+
+    def complete(self, pending: Pending) -> None:
+        """Hand a chunk whose raws are all in to the decode stage."""
+
+    def drop(self, pending: Pending) -> None:
+        """A chunk that will not be decoded (drop_last): release what it holds."""
+
+
+def estimate_bytes(value: Any, depth: int = 0) -> int:
+    """Roughly what a raw item holds in memory, for the memory limit."""
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, memoryview | np.ndarray):
+        return int(value.nbytes)
+    if depth < 2 and isinstance(value, (tuple, list)):
+        return sum(estimate_bytes(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return sum(estimate_bytes(v, depth + 1) for v in value.values())
+    return 64
+
+
+class PlannedSource:
+    """Map-style data: the plan's steps, chunk by chunk, every sample read through `fetch`
+    (or a whole chunk through `fetch_many` when the dataset reads in batches)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        plan: EpochPlan,
+        steps_per_chunk: int,
+        skip_errors: bool,
+        cache: SharedCache | None,
+        reads: ReadLimit,
+        stats: LoaderStats,
+    ) -> None:
+        self.dataset = dataset
+        self.plan = plan
+        self._steps_per_chunk = steps_per_chunk
+        self._skip_errors = skip_errors
+        self._cache = cache
+        self._reads = reads
+        self._stats = stats
+        self._in_flight: dict[tuple[int, int], tuple[float, int]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def total_steps(self) -> int:
+        return len(self.plan)
+
+    def position(self, steps_done: int) -> int:
+        return self.plan.global_position(steps_done)
+
+    def key(self, pending: Pending, position: int) -> str:
+        return sample_key(self.dataset, pending.indices[position])
+
+    async def feed(self, work: Work) -> None:
+        try:
+            for first in range(0, len(self.plan), self._steps_per_chunk):
+                steps = range(first, min(first + self._steps_per_chunk, len(self.plan)))
+                indices = [int(i) for k in steps for i in self.plan.step(k)]
+                pending = Pending(first, len(steps), indices, [None] * len(indices),
+                                  missing=len(indices))
+                await work.room()
+                work.reading(pending, len(indices))
+                await self._read(pending, work)
+            while self._tasks:
+                await asyncio.wait(list(self._tasks))
+        finally:
+            for task in self._tasks:
+                task.cancel()
+
+    async def _read(self, pending: Pending, work: Work) -> None:
+        if self.dataset.batched_fetch:
+            await self._reads.acquire()
+            self._start(self._fetch_many(pending, work))
+            return
+        for position, index in enumerate(pending.indices):
+            if self._cache is not None and self._cache.lookup(index):
+                self._arrived(pending, position, CACHED, work)
+                continue
+            await self._reads.acquire()
+            self._start(self._fetch_one(pending, position, work))
+
+    def _start(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_one(self, pending: Pending, position: int, work: Work) -> None:
+        index = pending.indices[position]
+        started = now()
+        self._in_flight[id(pending), position] = (started, index)
+        try:
+            raw = await self.dataset.fetch(index)
+        except Exception as e:
+            raw = self._failed(pending, position, e)
+        else:
+            self._record(started, 1)
+        finally:
+            self._reads.release()
+            del self._in_flight[id(pending), position]
+        self._arrived(pending, position, raw, work)
+
+    async def _fetch_many(self, pending: Pending, work: Work) -> None:
+        started = now()
+        self._in_flight[id(pending), 0] = (started, pending.indices[0])
+        try:
+            raws = list(await self.dataset.fetch_many(pending.indices))
+        except Exception:
+            raws = []  # find which sample failed, one by one
+            for position, index in enumerate(pending.indices):
+                try:
+                    raws.append(await self.dataset.fetch(index))
+                except Exception as e:
+                    raws.append(self._failed(pending, position, e))
+        else:
+            self._record(started, len(raws))
+        finally:
+            self._reads.release()
+            del self._in_flight[id(pending), 0]
+        for position, raw in enumerate(raws):
+            self._arrived(pending, position, raw, work)
+
+    @staticmethod
+    def _arrived(pending: Pending, position: int, raw: Any, work: Work) -> None:
+        pending.raws[position] = raw
+        work.hold(pending, raw)
+        pending.missing -= 1
+        if pending.missing == 0:
+            work.complete(pending)
+
+    def _record(self, started: float, count: int) -> None:
+        ended = now()
+        for _ in range(count):
+            self._stats.fetch.add((ended - started) / count)
+        self._stats.event("fetch", started, ended, "fetch")
+
+    def _failed(self, pending: Pending, position: int, error: Exception) -> Any:
+        """The failure as the pass treats it: skipped and counted, or the chunk's error."""
+        index = pending.indices[position]
+        failure = fetch_failure(index, sample_key(self.dataset, index), error)
+        if self._skip_errors:
+            self._stats.record_skip(str(failure))
+            return SKIPPED
+        if pending.failure is None or position < pending.failed_at:
+            pending.failure, pending.failed_at = failure, position
+        return None
+
+    def oldest_read(self) -> tuple[float, str] | None:
+        if not self._in_flight:
+            return None
+        started, index = min(self._in_flight.values())
+        return now() - started, f"the read of sample {index} ({sample_key(self.dataset, index)})"
+
+
+def fetch_failure(index: int, key: str, error: Exception) -> SampleError:
+    if isinstance(error, FetchError):
+        failure: SampleError = SampleFetchError(index, key, error)
+    else:
+        failure = SampleError(index, key, "fetch", one_line(error))
+    failure.__cause__ = error
+    return failure
+
+
+def sample_key(dataset: Dataset, index: int) -> str:
+    try:
+        return dataset.key(index)
+    except Exception:
+        return str(index)
+
+
+class StreamSource:
+    """A stream's items, pulled one after another and grouped into chunks; item n of this rank
+    gets the rng index n * world_size + rank, distinct across ranks."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        start: int,
+        rank: int,
+        world_size: int,
+        step_size: int,
+        steps_per_chunk: int,
+        keep_partial: bool,
+        stats: LoaderStats,
+    ) -> None:
+        self.stream = stream
+        self._start = start
+        self._rank = rank
+        self._world_size = world_size
+        self._step_size = step_size
+        self._chunk_size = step_size * steps_per_chunk
+        self._steps_per_chunk = steps_per_chunk
+        self._keep_partial = keep_partial
+        self._stats = stats
+        self._pulling_since: float | None = None
+        self._count = start
+
+    def total_steps(self) -> int | None:
+        return None
+
+    def position(self, steps_done: int) -> int:
+        return self._start + steps_done * self._step_size
+
+    def key(self, pending: Pending, position: int) -> str:
+        assert pending.keys is not None
+        return pending.keys[position]
+
+    def _new(self, first_step: int) -> Pending:
+        return Pending(first_step, self._steps_per_chunk, [], [], keys=[])
+
+    async def feed(self, work: Work) -> None:
+        pending = self._new(0)
+        items = self.stream.iter_from(self._start) if self._start else _items(self.stream)
+        async with aclosing(items):
+            while True:
+                await work.room()
+                self._pulling_since = started = now()
+                try:
+                    item = await anext(items)
+                except StopAsyncIteration:
+                    break
+                finally:
+                    self._pulling_since = None
+                self._stats.fetch.add(now() - started)
+                assert pending.keys is not None
+                pending.indices.append(self._count * self._world_size + self._rank)
+                pending.keys.append(self.stream.key(item, self._count))
+                pending.raws.append(item)
+                self._count += 1
+                work.reading(pending, 1)
+                work.hold(pending, item)
+                if len(pending.raws) == self._chunk_size:
+                    work.complete(pending)
+                    pending = self._new(pending.first_step + self._steps_per_chunk)
+        if pending.raws and self._keep_partial:
+            pending.steps = -(-len(pending.raws) // self._step_size)
+            work.complete(pending)
+        elif pending.raws:
+            work.drop(pending)
+
+    def oldest_read(self) -> tuple[float, str] | None:
+        if self._pulling_since is None:
+            return None
+        return now() - self._pulling_since, f"the stream's item {self._count}"
+
+
+async def _items(stream: Stream) -> AsyncGenerator[Any, None]:
+    """A stream's items as an async generator, so that it can be closed early."""
+    async for item in stream:
+        yield item
+

@@ -1,0 +1,290 @@
+"""The decode process: what it runs (the decode spec on chunks), how it starts, and
+`get_worker_info()` for code running in it.
+
+A chunk is the unit sent to a process: the raw items of one batch (or of a few unbatched
+samples). Decoding and collating a whole batch in one task keeps the traffic to one message each
+way per batch, whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import random
+import re
+import signal
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._cache import CachedSample, SharedCache
+from .._collate import default_collate
+from .._sampling import sample_rng
+from .._stats import now
+from . import transport
+from .channel import Channel
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What `get_worker_info()` tells code running in a decode process."""
+
+    id: int
+    num_workers: int
+    seed: int
+
+
+_worker_info: WorkerInfo | None = None
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """Inside decode: this process's id, the number of decode processes and its seed.
+
+    None in the main process (also when num_workers=0 decodes inline).
+    """
+    return _worker_info
+
+
+_GENERATOR = re.compile(r"\bGenerator\b")
+
+
+def takes_rng(function: Callable[..., Any] | None) -> bool:
+    """True when the second positional parameter is named `rng` or annotated
+    `numpy.random.Generator`: only then is the per-sample rng passed (`def f(raw, size=224)`
+    keeps its default)."""
+    if function is None:
+        return False
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2:
+        return False
+    second = positional[1]
+    annotation = second.annotation
+    if isinstance(annotation, str):
+        return second.name == "rng" or bool(_GENERATOR.search(annotation))
+    return second.name == "rng" or annotation is np.random.Generator
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """Everything a decode process needs, sent once when it starts."""
+
+    decode: Callable[..., Any] | None
+    collate: Callable[[list[Any]], Any] | None
+    """None: deliver samples one by one instead of a batch."""
+    skip_errors: bool
+    seed: int
+    augment: Callable[..., Any] | None = None
+    """The random step after a cached decode: augment(value) or augment(value, rng)."""
+    cache: SharedCache | None = None
+    wants_rng: bool = field(init=False)
+    augment_wants_rng: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wants_rng", takes_rng(self.decode))
+        object.__setattr__(self, "augment_wants_rng", takes_rng(self.augment))
+
+    def sample(self, epoch: int, index: int, raw: Any) -> Any:
+        """Decode (or take from the cache), then augment: one sample, as the loader gives it."""
+        if isinstance(raw, CachedSample):
+            assert self.cache is not None
+            value = self.cache.get(index)
+        else:
+            if self.decode is None:
+                value = raw
+            elif self.wants_rng:
+                value = self.decode(raw, sample_rng(self.seed, epoch, index))
+            else:
+                value = self.decode(raw)
+            if self.cache is not None:
+                self.cache.put(index, value)
+        if self.augment is None:
+            return value
+        if self.augment_wants_rng:
+            return self.augment(value, sample_rng(self.seed, epoch, index))
+        return self.augment(value)
+
+
+@dataclass
+class Chunk:
+    epoch: int
+    indices: list[int]
+    raws: list[Any]
+    slot: transport.Slot | None = None
+    """A shared-memory block to hand the result back in, when the main process has one."""
+
+
+@dataclass
+class ChunkResult:
+    items: list[Any]
+    """One collated batch, nothing if every sample was skipped, or the samples when unbatched."""
+    skipped: list[tuple[int, str]]
+    """(position in the chunk, one-line reason) of samples whose decode raised (skip mode)."""
+    failure: tuple[int | None, str, str] | None = None
+    """(index, one-line reason, traceback) of the first failure in raise mode; index None:
+    collate failed."""
+    timings: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of each decoded sample, on the clock of `stats.now`."""
+    process: str = "inline"
+    """Which decode process ran the chunk, for the timeline."""
+    shared: bool = False
+    """The items' arrays are in the chunk's slot (SharedArray places in `items`)."""
+    needed: int = 0
+    """Bytes the items' arrays need in shared memory."""
+    no_space: bool = False
+    """/dev/shm could not hold the block: the items came pickled instead."""
+
+
+def one_line(error: BaseException) -> str:
+    """`Type: message`, first line only: what a skip reason or an error message shows."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def run_chunk(
+    spec: DecodeSpec, chunk: Chunk, allocate: transport.BlockAllocator | None = None
+) -> ChunkResult:
+    """Decode every raw item of a chunk, then collate them (into `allocate`'s shared memory
+    when given and the collate is the default one); errors become data, not raises."""
+    info = _worker_info
+    result = ChunkResult([], [], process="inline" if info is None else f"decode {info.id}")
+    samples: list[Any] = []
+    for position, (index, raw) in enumerate(zip(chunk.indices, chunk.raws, strict=True)):
+        started = now()
+        try:
+            samples.append(spec.sample(chunk.epoch, index, raw))
+        except Exception as e:
+            if not spec.skip_errors:
+                result.failure = (index, one_line(e), traceback.format_exc())
+                return result
+            result.skipped.append((position, one_line(e)))
+            continue
+        result.timings.append((started, now()))
+    if spec.collate is None or not samples:
+        result.items = samples
+        return result
+    try:
+        if allocate is not None and spec.collate is default_collate:
+            try:
+                result.items = [default_collate(samples, allocate)]
+                return result
+            except transport.NoRoom:
+                allocate.used = 0  # too big for this block: collate as usual, say so
+        result.items = [spec.collate(samples)]
+    except Exception as e:
+        result.failure = (None, one_line(e), traceback.format_exc())
+    return result
+
+
+def respond(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
+    """Run a chunk in a decode process and put large results into the lent block."""
+    slot = chunk.slot
+    allocate = transport.BlockAllocator(slot) if slot is not None and slot.size else None
+    result = run_chunk(spec, chunk, allocate)
+    if allocate is not None and allocate.used and result.failure is None:
+        result.items = allocate.places(result.items)  # collated straight into the block
+        result.needed, result.shared = allocate.used, True
+    elif result.items and result.failure is None:
+        result.needed = transport.shared_bytes(result.items)
+        if slot is not None and result.needed >= transport.SMALL_RESULT:
+            try:
+                placed = transport.write(result.items, slot, result.needed)
+            except transport.NoSpace:
+                result.no_space = True
+            else:
+                if placed is not None:
+                    result.items, result.shared = placed, True
+    return result
+
+
+# -- messages -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Init:
+    """The first message a decode process gets: who it is, the spec, and the main process's
+    import path, working directory and environment, so code behaves as it would there."""
+
+    spec: bytes
+    worker_init: bytes
+    worker_id: int
+    num_workers: int
+    seed: int
+    sys_path: list[str]
+    cwd: str
+    environ: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True)
+class InitFailed:
+    reason: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
+class Done:
+    id: int
+    result: ChunkResult
+
+
+STOP = "stop"
+
+
+def _start(init: Init) -> DecodeSpec:
+    global _worker_info
+    sys.path[:] = init.sys_path
+    os.environ.clear()
+    os.environ.update(init.environ)
+    os.chdir(init.cwd)
+    seed = init.seed + init.worker_id
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    _worker_info = WorkerInfo(init.worker_id, init.num_workers, seed)
+    spec: DecodeSpec = pickle.loads(init.spec)
+    worker_init = pickle.loads(init.worker_init)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+    if worker_init is not None:
+        worker_init(init.worker_id)
+    return spec
+
+
+def serve(descriptor: int) -> int:
+    """A decode process's life: start as told, then decode chunks until told to stop or until
+    the main process is gone (end of the channel)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    channel = Channel(socket.socket(fileno=descriptor))
+    try:
+        init = channel.receive()
+        try:
+            spec = _start(init)
+        except BaseException as e:
+            channel.send(InitFailed(one_line(e), traceback.format_exc()))
+            return 1
+        channel.send(Ready(os.getpid()))
+        while (message := channel.receive()) != STOP:
+            channel.send(Done(message.id, respond(spec, message.chunk)))
+    except (EOFError, OSError):
+        pass
+    return 0

@@ -1,0 +1,255 @@
+"""The zygote: one small process per interpreter that forks decode processes and cleans up
+after its parent.
+
+It is started with `python -m aioloader._runtime.zygote_main`, so it has imported aioloader
+and numpy but never the user's main module; a decode process forked from it starts in
+milliseconds and runs no user code but what reaches it by value (cloudpickle). It also
+watches its parent: when the parent dies, even by SIGKILL, the zygote kills the decode
+processes and removes the parent's shared memory (and named caches it was the last member
+of). Decode processes die with the zygote (PR_SET_PDEATHSIG on Linux).
+
+Protocol on the control socket: length-prefixed pickles, request then reply, one at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+from .._errors import LoaderError
+
+_LENGTH = struct.Struct("!I")
+START_TIMEOUT = 60.0
+REPLY_TIMEOUT = 30.0
+POLL_SECONDS = 0.25
+"""How often the zygote checks that its parent is alive and reaps its children."""
+
+
+def _send(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
+    data = pickle.dumps(message)
+    frame = _LENGTH.pack(len(data)) + data
+    if fds:
+        socket.send_fds(sock, [frame], fds)
+    else:
+        sock.sendall(frame)
+
+
+def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
+    """One message and any descriptors sent with it; EOFError when the other side is gone."""
+    head, fds, _, _ = socket.recv_fds(sock, _LENGTH.size, 4)
+    while len(head) < _LENGTH.size:
+        more = sock.recv(_LENGTH.size - len(head))
+        if not more:
+            raise EOFError
+        head += more
+    (length,) = _LENGTH.unpack(head)
+    data = bytearray()
+    while len(data) < length:
+        more = sock.recv(length - len(data))
+        if not more:
+            raise EOFError
+        data += more
+    return pickle.loads(data), list(fds)
+
+
+# -- the parent's side ----------------------------------------------------------------------
+
+
+class Zygote:
+    """The client of this interpreter's zygote, started on first use."""
+
+    _instance: ClassVar[Zygote | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def get(cls) -> Zygote:
+        with cls._instance_lock:
+            if cls._instance is None or not cls._instance.alive():
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        ours, theirs = socket.socketpair()
+        package_parent = str(Path(__file__).resolve().parents[2])
+        environment = dict(os.environ)
+        environment["PYTHONPATH"] = os.pathsep.join(
+            p for p in (package_parent, environment.get("PYTHONPATH")) if p
+        )
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "aioloader._runtime.zygote_main",
+             str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=environment,
+        )
+        theirs.close()
+        self._socket = ours
+        self._owner = os.getpid()
+        self._socket.settimeout(START_TIMEOUT)
+        try:
+            ready, _ = _receive(self._socket)
+        except (OSError, EOFError):
+            ready = None
+        if ready != "ready":
+            self._process.kill()
+            raise LoaderError("the process that starts decode processes did not start")
+        self._socket.settimeout(REPLY_TIMEOUT)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return os.getpid() == self._owner and self._process.poll() is None
+
+    def _request(self, message: Any, fds: list[int] | None = None) -> Any:
+        with self._lock:
+            try:
+                _send(self._socket, message, fds)
+                reply, _ = _receive(self._socket)
+            except (OSError, EOFError) as e:
+                raise LoaderError(f"lost the process that starts decode processes: {e}") from e
+        return reply
+
+    def spawn(self, channel: socket.socket) -> int:
+        """Fork a decode process that serves `channel`; its pid."""
+        pid: int = self._request("spawn", [channel.fileno()])
+        return pid
+
+    def exit_status(self, pid: int, wait: float = 0.0) -> int | None:
+        """The exit status of a decode process as subprocess reports it (negative: killed by
+        that signal), or None while it runs; waits up to `wait` seconds for it to end."""
+        deadline = time.monotonic() + wait
+        while True:
+            status: int | None = self._request(("status", pid))
+            if status is not None or time.monotonic() >= deadline:
+                return status
+            time.sleep(0.01)
+
+    def watch_cache(self, name: str, watching: bool) -> None:
+        """Have the named cache removed should this process die as its last member."""
+        self._request(("watch" if watching else "unwatch", name))
+
+
+def _forget_in_child() -> None:
+    """A forked copy of the parent must not talk on the parent's control socket."""
+    Zygote._instance = None
+    Zygote._instance_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+# -- the zygote's side --------------------------------------------------------------------------
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the zygote) dies."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class _Server:
+    def __init__(self, control: socket.socket, parent: int) -> None:
+        self.control = control
+        self.parent = parent
+        self.children: set[int] = set()
+        self.statuses: dict[int, int] = {}
+        self.caches: set[str] = set()
+
+    def serve(self) -> None:
+        _send(self.control, "ready")
+        try:
+            while os.getppid() == self.parent:
+                readable, _, _ = select.select([self.control], [], [], POLL_SECONDS)
+                self.reap()
+                if readable:
+                    message, fds = _receive(self.control)
+                    _send(self.control, self.answer(message, fds))
+        except (EOFError, OSError):
+            pass  # the parent closed its end: it exited or died
+        finally:
+            self.clean_up()
+
+    def answer(self, message: Any, fds: list[int]) -> Any:
+        if message == "spawn":
+            return self.fork(fds[0])
+        kind, argument = message
+        if kind == "status":
+            self.reap()
+            return self.statuses.get(argument)
+        (self.caches.add if kind == "watch" else self.caches.discard)(argument)
+        return "ok"
+
+    def fork(self, channel: int) -> int:
+        zygote = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                self.control.close()
+                die_with_parent()
+                if os.getppid() != zygote:  # the zygote died before the request took effect
+                    os._exit(1)
+                from .worker import serve
+
+                code = serve(channel)
+            finally:
+                os._exit(code)
+        os.close(channel)
+        self.children.add(pid)
+        return pid
+
+    def reap(self) -> None:
+        for pid in list(self.children):
+            with contextlib.suppress(ChildProcessError):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    self.children.discard(pid)
+                    self.statuses[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else (
+                        os.WEXITSTATUS(status))
+
+    def clean_up(self) -> None:
+        """Decode processes first (none may create a segment after the sweep), then the
+        parent's shared memory, if the parent is gone."""
+        for pid in self.children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while self.children and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.01)
+        from .._cache import remove_if_unused
+        from .shm import remove_leftovers
+
+        remove_leftovers(self.parent)
+        for name in self.caches:
+            remove_if_unused(name)
+
+
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # runs the clean-up on the way out
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    signal.signal(signal.SIGTERM, _exit_on_term)
+    control = socket.socket(fileno=int(sys.argv[1]))
+    import numpy  # noqa: F401  (preloaded for every decode process)
+
+    import aioloader  # noqa: F401
+
+    _Server(control, int(sys.argv[2])).serve()
+
