@@ -3,17 +3,25 @@ with injectable latency and faults; and nginx, for plain static files.
 
 `TestServer` starts the project's server in its own process on 127.0.0.1 with a free port (also
 `aioloader serve DIR --latency-ms 20` from a shell); faults can be changed while it runs
-(POST /_control) and its counters read (GET /_stats). `Nginx` starts nginx the same way.
+(POST /_control, JSON, with the server's control token in the X-Control-Token header) and its
+counters read (GET /_stats). Paths under /_hostile/ misbehave on purpose, for tests of a
+client's defences (see `_FaultyFileServer.hostile`). `Nginx` starts nginx the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
+import gzip
+import hmac
 import json
+import math
 import os
 import random
 import re
+import secrets
 import selectors
 import shutil
 import socket
@@ -21,7 +29,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +40,24 @@ from aiohttp import web
 
 from ._closing import Closing
 
-__all__ = ["Faults", "Nginx", "TestServer", "serve"]
+__all__ = ["CONTROL_HEADER", "CONTROL_TOKEN_VARIABLE", "Faults", "Nginx", "TestServer", "serve"]
+
+CONTROL_HEADER = "X-Control-Token"
+"""POST /_control must carry the server's control token in this header."""
+CONTROL_TOKEN_VARIABLE = "AIOLOADER_CONTROL_TOKEN"
+"""The server takes its control token from this environment variable (not the command line,
+which other users of the machine can read); without it, it makes one and prints it."""
 
 _READY_PREFIX = "serving "
 _START_TIMEOUT = 30.0
 _BACKLOG = 4096
 """Room for hundreds of clients connecting at once (the default 128 drops SYNs: 1 s stalls)."""
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
+_HUGE_SIZE = 100 * 10**9
+_BOMB_SIZE = 1 << 30
+_CHUNK = 1 << 18
+_PATTERN = bytes(range(251)) * (_CHUNK // 251 + 2)
+"""/_hostile/endless and /_hostile/huge send byte i = i % 251, cut from this."""
 
 
 @dataclass
@@ -56,26 +77,74 @@ class Faults:
     """Held for stall_seconds before the answer."""
     stall_seconds: float = 60.0
     seed: int = 0
+    ignore_ranges: bool = False
+    """Range headers ignored: 200 and the whole file, as Python's http.server answers."""
+    shift_ranges: int = 0
+    """206 answers start this many bytes after the range asked (their Content-Range says so)."""
+    content_encoding: str = ""
+    """Sent as Content-Encoding with every file; gzip and deflate also encode the body (of a
+    206 too, which makes no sense: that is the point), other values only label it."""
+
+    def __post_init__(self) -> None:
+        """Bad settings fail here, where they are made, not as a 500 on every later request."""
+        for field in dataclasses.fields(self):
+            test, what = _RATE if field.name.endswith("_rate") else _RULES[str(field.type)]
+            value = getattr(self, field.name)
+            if not test(value):
+                raise ValueError(f"{field.name} must be {what}, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and value >= 0
+
+
+_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "float": (_is_number, "a number >= 0"),
+    "float | None": (lambda v: v is None or _is_number(v), "a number >= 0 or null"),
+    "int": (lambda v: type(v) is int, "an integer"),
+    "bool": (lambda v: type(v) is bool, "true or false"),
+    "str": (lambda v: type(v) is str, "a string"),
+}
+"""What each type of `Faults` field accepts (JSON's true is no number, 1 is no bool)."""
+_RATE = (lambda v: _is_number(v) and v <= 1, "a number from 0 to 1")
 
 
 class _FaultyFileServer:
-    def __init__(self, root: Path, faults: Faults) -> None:
+    def __init__(self, root: Path, faults: Faults, control_token: str) -> None:
         self.root = root.resolve()
         self.faults = faults
         self.random = random.Random(faults.seed)
         self.counts: Counter[str] = Counter()
         self.in_flight = 0
+        self.control_token = control_token.encode()
 
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/_control", self.control)
         app.router.add_get("/_stats", self.stats)
+        app.router.add_get("/_hostile/{name}", self.hostile)
         app.router.add_get("/{path:.*}", self.serve_file)
         return app
 
     async def control(self, request: web.Request) -> web.Response:
-        changes = await request.json()
-        self.faults = dataclasses.replace(self.faults, **changes)
+        """Change faults: only with the token (a web page cannot send it, nor JSON without
+        asking first), and only to valid settings; a refused change leaves the faults as they
+        were."""
+        token = request.headers.get(CONTROL_HEADER, "").encode(errors="surrogateescape")
+        if not hmac.compare_digest(token, self.control_token):
+            return web.Response(status=403, text=f"{CONTROL_HEADER} is missing or wrong\n")
+        if request.content_type != "application/json":
+            return web.Response(status=415, text="send Content-Type: application/json\n")
+        try:
+            changes = json.loads(await request.read())
+            if not isinstance(changes, dict):
+                raise ValueError("send a JSON object of fault settings")
+            unknown = set(changes) - {f.name for f in dataclasses.fields(Faults)}
+            if unknown:
+                raise ValueError(f"unknown fault settings: {', '.join(sorted(unknown))}")
+            self.faults = dataclasses.replace(self.faults, **changes)
+        except ValueError as e:  # a JSONDecodeError or UnicodeDecodeError too
+            return web.Response(status=400, text=f"{e}\n")
         if "seed" in changes:
             self.random = random.Random(self.faults.seed)
         return web.json_response(dataclasses.asdict(self.faults))
@@ -138,8 +207,8 @@ class _FaultyFileServer:
             return web.Response(status=404, text=f"no such file: {request.path}")
         size = path.stat().st_size
         match = _RANGE.match(request.headers.get("Range", ""))
-        if not match:
-            return web.Response(body=path.read_bytes(), headers={"Accept-Ranges": "bytes"})
+        if not match or self.faults.ignore_ranges:
+            return self._encoded(200, path.read_bytes(), {"Accept-Ranges": "bytes"})
         first_text, last_text = match.groups()
         if first_text:
             first, last = int(first_text), min(int(last_text or size - 1), size - 1)
@@ -148,22 +217,86 @@ class _FaultyFileServer:
         if first >= size or first > last:
             return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
         self.counts["ranges"] += 1
+        shift = self.faults.shift_ranges
+        first, last = min(first + shift, size - 1), min(last + shift, size - 1)
         with path.open("rb") as f:
             f.seek(first)
             body = f.read(last - first + 1)
         headers = {"Content-Range": f"bytes {first}-{last}/{size}", "Accept-Ranges": "bytes"}
-        return web.Response(status=206, body=body, headers=headers)
+        return self._encoded(206, body, headers)
+
+    def _encoded(self, status: int, body: bytes, headers: dict[str, str]) -> web.Response:
+        """The answer with the Content-Encoding the faults ask for; gzip and deflate encode."""
+        encoding = self.faults.content_encoding
+        if encoding:
+            headers["Content-Encoding"] = encoding
+        if encoding == "gzip":
+            body = gzip.compress(body)
+        elif encoding == "deflate":
+            body = zlib.compress(body)
+        return web.Response(status=status, body=body, headers=headers)
+
+    async def hostile(self, request: web.Request) -> web.StreamResponse:
+        """What no honest server sends, for tests of a client's defences:
+
+        - /_hostile/endless: 200 and bytes without end (no Content-Length);
+        - /_hostile/huge: 200 announcing 100 GB whatever Range asks, then bytes until the
+          client hangs up (byte i of both is i % 251);
+        - /_hostile/loop: a redirect to itself;
+        - /_hostile/bomb: 1 GiB of zeros, gzip-encoded into about 5 MB.
+        """
+        name = request.match_info["name"]
+        self.counts[f"hostile_{name}"] += 1
+        if name == "loop":
+            return web.Response(status=302, headers={"Location": request.path})
+        if name == "bomb":
+            bomb = await asyncio.to_thread(_gzip_bomb)
+            return web.Response(body=bomb, headers={"Content-Encoding": "gzip"})
+        if name not in ("endless", "huge"):
+            return web.Response(status=404, text=f"no such hostile path: {request.path}")
+        response = web.StreamResponse()
+        end = 1 << 62  # as good as endless
+        if name == "huge":
+            response.content_length = end = _HUGE_SIZE
+        await response.prepare(request)
+        sent = 0
+        with contextlib.suppress(ConnectionError):  # the client hung up: what we wait for
+            while sent < end:
+                chunk = _PATTERN[sent % 251 : sent % 251 + min(_CHUNK, end - sent)]
+                await response.write(chunk)
+                sent += len(chunk)
+        return response
 
 
-async def serve(root: Path, host: str, port: int, faults: Faults) -> None:
-    """Serve until cancelled; prints one line `serving http://HOST:PORT/` once listening."""
-    runner = web.AppRunner(_FaultyFileServer(root, faults).app(), access_log=None)
+@functools.cache
+def _gzip_bomb() -> bytes:
+    packer = zlib.compressobj(1, wbits=31)
+    zeros = bytes(1 << 20)
+    return b"".join(packer.compress(zeros) for _ in range(_BOMB_SIZE >> 20)) + packer.flush()
+
+
+async def serve(
+    root: Path, host: str, port: int, faults: Faults, control_token: str | None = None
+) -> None:
+    """Serve until cancelled; prints one line `serving http://HOST:PORT/` once listening.
+
+    POST /_control needs `control_token` (default: the CONTROL_TOKEN_VARIABLE environment
+    variable; without it a random one, printed on a second line) in the CONTROL_HEADER header.
+    """
+    token = control_token or os.environ.get(CONTROL_TOKEN_VARIABLE) or ""
+    made = not token
+    token = token or secrets.token_urlsafe(24)
+    server = _FaultyFileServer(root, faults, token)
+    runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, backlog=_BACKLOG, reuse_address=True)
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         print(f"{_READY_PREFIX}http://{bound_host}:{bound_port}/", flush=True)
+        if made:
+            print(f"control token (send as {CONTROL_HEADER} to POST /_control): {token}",
+                  flush=True)
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
@@ -180,9 +313,14 @@ class TestServer(Closing):
         command = [sys.executable, "-m", "aioloader", "serve", str(root), "--port", str(port)]
         for field in dataclasses.fields(options):
             value = getattr(options, field.name)
-            if value is not None:
-                command += [f"--{field.name.replace('_', '-')}", str(value)]
-        self._process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+            if value is not None and value is not False:
+                flag = f"--{field.name.replace('_', '-')}"
+                command += [flag] if value is True else [flag, str(value)]
+        self.control_token = secrets.token_urlsafe(24)
+        environment = {**os.environ, CONTROL_TOKEN_VARIABLE: self.control_token}
+        self._process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, text=True, env=environment
+        )
         self.url = self._wait_until_ready()
 
     def _wait_until_ready(self) -> str:
@@ -202,9 +340,13 @@ class TestServer(Closing):
         return int(self.url.rstrip("/").rsplit(":", 1)[1])
 
     def set_faults(self, **changes: Any) -> dict[str, Any]:
-        """Change latency or fault rates of the running server."""
+        """Change latency or fault rates of the running server; a bad setting raises the
+        server's 400 (urllib.error.HTTPError) and changes nothing."""
         request = urllib.request.Request(
-            self.url + "_control", data=json.dumps(changes).encode(), method="POST"
+            self.url + "_control",
+            data=json.dumps(changes).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json", CONTROL_HEADER: self.control_token},
         )
         with urllib.request.urlopen(request, timeout=10) as response:
             result: dict[str, Any] = json.load(response)
@@ -212,7 +354,7 @@ class TestServer(Closing):
 
     def stats(self) -> dict[str, int]:
         """Counters: requests, max_in_flight, errors, throttles, drops, stalls, ranges,
-        not_found."""
+        not_found, and hostile_NAME per request to /_hostile/NAME."""
         with urllib.request.urlopen(self.url + "_stats", timeout=10) as response:
             result: dict[str, int] = json.load(response)
         return result

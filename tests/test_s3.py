@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import io
+import os
+import socket
+import subprocess
+import sys
 import tarfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +17,8 @@ import pytest
 from recordio_cases import IMAGE_HEADERS, payloads
 
 import aioloader
-from aioloader import recordio
+from aioloader import FetchError, recordio
+from aioloader.storage._storage import Storage
 
 from decoders import SAMPLE_COUNT, index_of, sample_bytes
 
@@ -74,3 +81,84 @@ def test_tar_shards_stream_from_s3(bucket: str) -> None:
     samples = list(aioloader.Loader(shards, batch_size=None, num_workers=0))
     assert [label(s) for s in samples] == list(range(10))
     assert samples[0]["__url__"] == bucket + "tar/0.tar"
+
+
+@pytest.fixture(scope="module")
+def locked_endpoint(s3_endpoint: str) -> Iterator[str]:
+    """A second moto server, one that checks credentials: it knows none, so it refuses all."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            if time.monotonic() > deadline or server.poll() is not None:
+                pytest.fail("the credential-checking moto server did not start")
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+async def attempt(reads: Storage, how: str, url: str) -> None:
+    if how == "read":
+        await reads.read(url)
+    elif how == "range":
+        await reads.read_range(url, 10_000, 10_010)
+    elif how == "size":
+        await reads.size(url)
+    else:
+        assert b"".join([chunk async for chunk in reads.stream(url)])
+
+
+@pytest.mark.parametrize(
+    ("how", "key", "status"),
+    [
+        ("read", "training/samples/nope.bin", 404),
+        ("size", "training/samples/nope.bin", 404),
+        ("stream", "training/samples/nope.bin", 404),
+        ("read", "no-such-bucket/0001.bin", 404),
+        ("range", "training/samples/0001.bin", 416),
+    ],
+    ids=["missing key", "missing key (HEAD)", "missing key (stream)", "missing bucket",
+         "range past the end"],
+)
+async def test_s3_refusals_fail_at_once_without_retries(
+    bucket: str, how: str, key: str, status: int
+) -> None:
+    url = f"s3://{key}"
+    async with Storage(retries=3) as reads:
+        with pytest.raises(FetchError) as caught:
+            await attempt(reads, how, url)
+    assert caught.value.status == status and url in str(caught.value)
+    assert reads.counters.retries == 0
+
+
+async def test_s3_permission_denied_fails_at_once_without_retries(
+    bucket: str, locked_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", locked_endpoint)
+    async with Storage(retries=3) as reads:
+        with pytest.raises(FetchError) as caught:
+            await reads.read(bucket + "samples/0001.bin")
+    assert caught.value.status == 403 and "samples/0001.bin" in str(caught.value)
+    assert reads.counters.retries == 0
+
+
+@pytest.mark.parametrize("how", ["read", "stream"])
+async def test_s3_object_over_max_object_bytes_is_refused_without_retry(
+    bucket: str, how: str
+) -> None:
+    url = bucket + "samples/0042.bin"  # 146 bytes
+    async with Storage(retries=3, max_object_bytes=120) as reads:
+        with pytest.raises(FetchError, match=r"0042\.bin.*120"):
+            await attempt(reads, how, url)
+        assert await reads.read(bucket + "samples/0000.bin") == sample_bytes(0)  # 104 bytes
+        assert await reads.read_range(url, 0, 100) == sample_bytes(42)[:100]
+    assert reads.counters.retries == 0

@@ -90,3 +90,18 @@ async def test_stalled_server_times_out_with_a_clear_error(faulty_server: TestSe
 def test_unknown_scheme_is_refused_with_advice() -> None:
     with pytest.raises(ValueError, match=r"unknown URL scheme 'ftp'.*http://"):
         check_url("ftp://example/x.bin")
+
+
+async def test_max_object_bytes_admits_an_object_of_exactly_that_size(server: TestServer) -> None:
+    url = server.url + "0042.bin"  # 146 bytes
+    async with Storage(max_object_bytes=146) as reads:
+        assert await reads.read(url) == sample_bytes(42)
+    async with Storage(retries=3, max_object_bytes=145) as reads:
+        with pytest.raises(FetchError, match=r"0042\.bin.*146 bytes.*max_object_bytes=145"):
+            await reads.read(url)
+    assert reads.counters.retries == 0
+
+
+def test_max_object_bytes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_object_bytes must be 1 or more"):
+        Storage(max_object_bytes=0)

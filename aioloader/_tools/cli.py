@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from .._loopthread import new_event_loop
-from ..testing import Faults, serve
+from ..testing import CONTROL_TOKEN_VARIABLE, Faults, serve
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,16 +24,21 @@ def main(argv: list[str] | None = None) -> None:
                       help="images the one-read-per-worker baseline reads")
     demo.add_argument("--cache-dir", type=Path, default=None, help="where the images are kept")
 
-    serve_cmd = commands.add_parser("serve", help="serve a directory over HTTP with faults")
+    serve_cmd = commands.add_parser(
+        "serve", help="serve a directory over HTTP with faults",
+        description="POST /_control needs the control token: the environment variable "
+        f"{CONTROL_TOKEN_VARIABLE}, or else a random one the server prints.",
+    )
     serve_cmd.add_argument("root", type=Path)
     serve_cmd.add_argument("--host", default="127.0.0.1")
     serve_cmd.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     for field in dataclasses.fields(Faults):
-        serve_cmd.add_argument(
-            f"--{field.name.replace('_', '-')}",
-            type=int if field.name == "seed" else float,
-            default=field.default,
-        )
+        flag = f"--{field.name.replace('_', '-')}"
+        if field.type == "bool":
+            serve_cmd.add_argument(flag, action="store_true")
+        else:
+            kind = {"int": int, "str": str}.get(str(field.type), float)
+            serve_cmd.add_argument(flag, type=kind, default=field.default)
 
     pack = commands.add_parser("pack", help="pack an image folder or .lst into .rec or tar shards")
     pack.add_argument("source", type=Path, help="folder with a sub-folder per class, or a .lst")
@@ -64,7 +69,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     if args.command == "serve":
-        faults = Faults(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Faults)})
+        try:
+            faults = Faults(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Faults)})
+        except ValueError as e:
+            serve_cmd.error(str(e))
         loop = new_event_loop()
         with contextlib.suppress(KeyboardInterrupt):
             loop.run_until_complete(serve(args.root, args.host, args.port, faults))

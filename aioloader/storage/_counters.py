@@ -12,3 +12,6 @@ class StorageCounters:
     requests: int = 0
     retries: int = 0
     bytes_read: int = 0
+    ranges_ignored: int = 0
+    """Range requests a server answered with the whole object (200): each read downloaded
+    the object up to the range's end."""

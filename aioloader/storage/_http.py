@@ -1,15 +1,30 @@
-"""Reads over HTTP(S) with aiohttp: one pooled keep-alive session, retries on faults."""
+"""Reads over HTTP(S) with aiohttp: one pooled keep-alive session, retries on faults, and no
+trust in what a server sends: never more than max_object_bytes held, bytes checked against the
+range asked, an encoded body decoded (whole reads) or refused (ranges and streams)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
+import zlib
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from .._errors import FetchError
 from ._counters import StorageCounters
-from ._retry import Attempts, RetryPolicy, parse_retry_after
+from ._limits import DEFAULT_MAX_OBJECT_BYTES, check_range, too_large
+from ._retry import Attempts, RetryPolicy, is_retryable, parse_retry_after
+
+log = logging.getLogger("aioloader.storage")
+
+_READ_CHUNK = 1 << 20
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+"""zlib's window bits for each Content-Encoding we decode (deflate means zlib-wrapped)."""
 
 
 class _RetryableStatus(Exception):
@@ -29,8 +44,14 @@ def _classify(error: BaseException) -> tuple[str, int | None, float | None]:
     return describe(error), None, None
 
 
-def is_retryable(status: int) -> bool:
-    return status in (408, 425, 429) or status >= 500
+async def _failed(url: str, attempts: Attempts, error: BaseException) -> None:
+    """Wait before the next attempt; or raise, when the retry budget is spent, or at once for
+    the client errors asking again cannot mend (aiohttp's are all ClientErrors)."""
+    if isinstance(error, aiohttp.TooManyRedirects):
+        raise FetchError(url, f"{len(error.history)} redirects: a redirect loop?") from error
+    if isinstance(error, aiohttp.InvalidURL):
+        raise FetchError(url, f"bad URL or redirect: {describe(error)}") from error
+    await attempts.failed(*_classify(error))
 
 
 def describe(error: BaseException) -> str:
@@ -54,16 +75,57 @@ def range_header(start: int | None, end: int | None) -> dict[str, str]:
     return {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
 
 
+def check_content_range(
+    url: str, response: aiohttp.ClientResponse, start: int | None, end: int | None
+) -> None:
+    """A 206 must carry exactly the bytes asked: other bytes would be taken for them."""
+    sent = response.headers.get("Content-Range", "")
+    match = _CONTENT_RANGE.fullmatch(sent)
+    if (
+        start is not None
+        and match is not None
+        and int(match[1]) == start
+        and (end is None or int(match[2]) == end - 1)
+    ):
+        return
+    asked = "no range" if start is None else f"bytes {start}-{'' if end is None else end - 1}"
+    raise FetchError(
+        url, f"asked for {asked}, the server sent {sent or 'no Content-Range'}", response.status
+    )
+
+
+def decoder_bits(url: str, response: aiohttp.ClientResponse, whole: bool) -> int | None:
+    """zlib's window bits to decode the body with, None for a plain body; FetchError for an
+    encoding we cannot decode, or any encoding where byte positions count."""
+    encoding = response.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    if encoding not in _WBITS:
+        raise FetchError(url, f"the server sent Content-Encoding {encoding!r} (asked: identity)")
+    if not whole:
+        raise FetchError(
+            url, f"the server sent a {encoding}-encoded body for a range or stream: byte "
+            "positions in an encoded body are meaningless"
+        )
+    return _WBITS[encoding]
+
+
 class HttpStore:
     """One aiohttp session per event loop run; created on the first HTTP read."""
 
     def __init__(
-        self, max_connections: int, policy: RetryPolicy, counters: StorageCounters
+        self,
+        max_connections: int,
+        policy: RetryPolicy,
+        counters: StorageCounters,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     ) -> None:
         self._max_connections = max_connections
         self._policy = policy
         self._counters = counters
+        self._max_bytes = max_object_bytes
         self._session: aiohttp.ClientSession | None = None
+        self._warned_ranges = False
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -77,17 +139,21 @@ class HttpStore:
         return self._session
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
+        check_range(url, start, end, self._max_bytes)
         session = self._get_session()
         attempts = Attempts(url, self._policy, self._counters)
         while True:
             try:
                 async with session.get(url, headers=range_header(start, end)) as response:
-                    self._counters.requests += 1
-                    check_status(url, response)
-                    body = await response.read()
-                    return _cut_to_range(url, body, response.status, start, end)
+                    chunks = self._body(url, response, start, end, self._max_bytes, _READ_CHUNK)
+                    data = b"".join([chunk async for chunk in chunks])
+                if start is not None and end is not None and len(data) != end - start:
+                    raise FetchError(
+                        url, f"short read: wanted bytes {start}..{end}, got {len(data)}"
+                    )
+                return data
             except RETRYABLE as e:
-                await attempts.failed(*_classify(e))
+                await _failed(url, attempts, e)
 
     async def size(self, url: str) -> int:
         session = self._get_session()
@@ -101,13 +167,15 @@ class HttpStore:
                         raise FetchError(url, "the server sent no Content-Length for HEAD")
                     return response.content_length
             except RETRYABLE as e:
-                await attempts.failed(*_classify(e))
+                await _failed(url, attempts, e)
 
     async def stream(
         self, url: str, start: int, end: int | None, chunk_size: int
     ) -> AsyncGenerator[bytes, None]:
         """Chunks of bytes start..end; a broken connection resumes where it stopped, and the
-        retry budget counts failures in a row, so a long stream survives many blips."""
+        retry budget counts failures in a row, so a long stream survives many blips. At most
+        max_object_bytes in all."""
+        check_range(url, start, end, self._max_bytes)
         session = self._get_session()
         attempts = Attempts(url, self._policy, self._counters)
         # a stream may run for minutes: bound each wait for data, not the whole response
@@ -117,28 +185,57 @@ class HttpStore:
         position = start
         while end is None or position < end:
             try:
-                ranged = end is not None or position > 0
-                headers = range_header(position if ranged else None, end)
+                first = position if end is not None or position > 0 else None
+                headers = range_header(first, end)
                 async with session.get(url, headers=headers, timeout=timeout) as response:
-                    self._counters.requests += 1
-                    check_status(url, response)
-                    skip = position if response.status == 200 else 0  # server ignored Range
-                    async for chunk in response.content.iter_chunked(chunk_size):
-                        if skip:
-                            chunk, skip = chunk[skip:], max(0, skip - len(chunk))
-                        if end is not None:
-                            chunk = chunk[: end - position]
-                        if chunk:
+                    left = self._max_bytes - (position - start)
+                    body = self._body(url, response, first, end, left, chunk_size, whole=False)
+                    async with aclosing(body):
+                        async for chunk in body:
                             position += len(chunk)
                             attempts.reset()
                             yield chunk
-                        if end is not None and position >= end:
-                            return
-                if end is None:
+                if end is None or position >= end:
                     return
                 raise aiohttp.ClientPayloadError(f"body ended at byte {position} of {end}")
             except RETRYABLE as e:
-                await attempts.failed(*_classify(e))
+                await _failed(url, attempts, e)
+
+    def _body(
+        self,
+        url: str,
+        response: aiohttp.ClientResponse,
+        start: int | None,
+        end: int | None,
+        limit: int,
+        chunk_size: int,
+        whole: bool = True,
+    ) -> AsyncGenerator[bytes, None]:
+        """The bytes start..end (None: the whole object) of the answer to a GET, as they arrive,
+        once its status, range and encoding are checked: the one way every read takes."""
+        self._counters.requests += 1
+        check_status(url, response)
+        bits = decoder_bits(url, response, whole and start is None)
+        skip, keep = 0, None if start is None or end is None else end - start
+        if response.status == 206:
+            check_content_range(url, response, start, end)
+        elif start is not None:  # a 200: the whole object from byte 0
+            self._range_ignored(url)
+            skip = start
+        chunks = _cut(url, response, skip, keep, limit, chunk_size)
+        return chunks if bits is None else _decoded(url, chunks, bits, limit)
+
+    def _range_ignored(self, url: str) -> None:
+        """Count a 200 answer to a Range request; say so once per storage."""
+        self._counters.ranges_ignored += 1
+        if not self._warned_ranges:
+            self._warned_ranges = True
+            parts = urlsplit(url)
+            log.warning(
+                "%s://%s ignores Range requests: every ranged read downloads its object up to "
+                "the range's end (counted in ranges_ignored; warned once)",
+                parts.scheme, parts.netloc,
+            )
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -146,12 +243,58 @@ class HttpStore:
             self._session = None
 
 
-def _cut_to_range(url: str, body: bytes, status: int, start: int | None, end: int | None) -> bytes:
-    """A server that ignores Range sends the whole object (200); cut it to what was asked."""
-    if start is None:
-        return body
-    if status == 200:
-        body = body[start:end]
-    if end is not None and len(body) != end - start:
-        raise FetchError(url, f"short read: wanted bytes {start}..{end}, got {len(body)}")
-    return body
+async def _cut(
+    url: str,
+    response: aiohttp.ClientResponse,
+    skip: int,
+    keep: int | None,
+    limit: int,
+    chunk_size: int,
+) -> AsyncGenerator[bytes, None]:
+    """The body after its first `skip` bytes, `keep` of them (None: to the end), never more
+    than `limit`: refused up front when Content-Length says so, else counted as it arrives.
+    Stopping before the end drops the connection rather than reading on."""
+    size = response.content_length
+    if keep is None and size is not None and size - skip > limit:
+        raise too_large(url, limit, f"the server announced {size} bytes")
+    kept = 0
+    async for data in response.content.iter_chunked(chunk_size):
+        chunk = data[skip:] if skip else data
+        skip = max(0, skip - len(data))
+        if keep is not None:
+            chunk = chunk[: keep - kept]
+        kept += len(chunk)
+        if kept > limit:
+            raise too_large(url, limit, "the body ran on")
+        if chunk:
+            yield chunk
+        if kept == keep:
+            if not response.content.at_eof():
+                response.close()
+            return
+
+
+async def _decoded(
+    url: str, chunks: AsyncGenerator[bytes, None], bits: int, limit: int
+) -> AsyncGenerator[bytes, None]:
+    """Inflate as the body arrives, never past `limit` decoded bytes: a few megabytes of gzip
+    can hold gigabytes."""
+    inflater = zlib.decompressobj(bits)
+    size = 0
+    try:
+        async with aclosing(chunks):
+            async for data in chunks:
+                while data:
+                    if inflater.eof:
+                        raise FetchError(url, "bytes after the end of the encoded body")
+                    out = inflater.decompress(data, limit - size + 1)
+                    size += len(out)
+                    if size > limit:
+                        raise too_large(url, limit, "the decoded body ran on")
+                    if out:
+                        yield out
+                    data = inflater.unconsumed_tail or inflater.unused_data
+    except zlib.error as e:
+        raise FetchError(url, f"cannot decode the body: {e}") from e
+    if not inflater.eof:
+        raise FetchError(url, "the encoded body ended early")

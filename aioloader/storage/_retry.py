@@ -37,6 +37,11 @@ class RetryPolicy:
         return ceiling / 2 + random.uniform(0, ceiling / 2)
 
 
+def is_retryable(status: int) -> bool:
+    """Whether an HTTP status is a fault worth another try (else a final answer)."""
+    return status in (408, 425, 429) or status >= 500
+
+
 def parse_retry_after(value: str | None) -> float | None:
     """Seconds from a Retry-After header (delta-seconds or an HTTP date), capped; None if absent."""
     if not value:

@@ -4,19 +4,25 @@ obstore's Rust client is built for many small concurrent requests. Credentials, 
 endpoint come from the usual AWS environment variables (AWS_ACCESS_KEY_ID, AWS_REGION,
 AWS_ENDPOINT_URL, ...), so S3-compatible stores such as MinIO work; an http:// endpoint is
 allowed. obstore's own retries are turned off so that aioloader's budget, backoff and retry
-counts apply to S3 as to HTTP.
+counts apply to S3 as to HTTP; what retrying cannot mend (a missing key, refused access, a range
+past the end: the 4xx family) fails at once.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import AsyncGenerator
 from typing import Any
 from urllib.parse import urlsplit
 
 from .._errors import FetchError
 from ._counters import StorageCounters
-from ._retry import Attempts, RetryPolicy
+from ._limits import DEFAULT_MAX_OBJECT_BYTES, check_range, too_large
+from ._retry import Attempts, RetryPolicy, is_retryable
+
+_STATUS = re.compile(r"status code: (\d{3})")
+_CODE = re.compile(r"<Code>(\w+)</Code>")
 
 
 def split(url: str) -> tuple[str, str]:
@@ -52,11 +58,24 @@ def make_store(bucket: str, timeout: float | None = None) -> Any:
 class S3Store:
     """One obstore store per bucket, made on first use."""
 
-    def __init__(self, policy: RetryPolicy, counters: StorageCounters) -> None:
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        counters: StorageCounters,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+    ) -> None:
         self._policy = policy
         self._counters = counters
+        self._max_bytes = max_object_bytes
         self._stores: dict[str, Any] = {}
         self._obstore = import_obstore()
+        errors = self._obstore.exceptions
+        self._final = (
+            FileNotFoundError, errors.NotFoundError, errors.PermissionDeniedError,
+            errors.UnauthenticatedError, errors.PreconditionError, errors.NotModifiedError,
+            errors.InvalidPathError, errors.NotSupportedError,
+            errors.UnknownConfigurationKeyError,
+        )
 
     def _locate(self, url: str) -> tuple[Any, str]:
         bucket, key = split(url)
@@ -65,16 +84,23 @@ class S3Store:
         return self._stores[bucket], key
 
     async def _attempt(self, url: str, attempts: Attempts, error: Exception) -> None:
-        """Give up at once on what retrying cannot mend; else wait and count a retry."""
-        exceptions = self._obstore.exceptions
-        if isinstance(error, exceptions.NotFoundError):
-            raise FetchError(url, "no such key", 404) from error
-        if isinstance(error, (exceptions.PermissionDeniedError,
-                              exceptions.UnauthenticatedError)):
-            raise FetchError(url, f"access refused: {error}", 403) from error
-        await attempts.failed(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+        """Give up at once on what retrying cannot mend (obstore 0.12 raises a plain
+        FileNotFoundError for a missing key, a GenericError for a 416); else wait and count a
+        retry."""
+        if isinstance(error, FetchError):
+            raise error
+        text = str(error)
+        status_match, code = _STATUS.search(text), _CODE.search(text)
+        status = int(status_match[1]) if status_match else None
+        if isinstance(error, FileNotFoundError):
+            status = 404
+        if isinstance(error, self._final) or (status is not None and not is_retryable(status)):
+            reason = text.split(":", 1)[0][:200] + (f" ({code[1]})" if code else "")
+            raise FetchError(url, reason, status) from error
+        await attempts.failed(f"{type(error).__name__}: {text.splitlines()[0][:200]}", status)
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
+        check_range(url, start, end, self._max_bytes)
         store, key = self._locate(url)
         attempts = Attempts(url, self._policy, self._counters)
         while True:
@@ -82,6 +108,7 @@ class S3Store:
                 self._counters.requests += 1
                 if start is None:
                     result = await self._obstore.get_async(store, key)
+                    self._check_size(url, int(result.meta["size"]))
                     return bytes(await result.bytes_async())
                 data = await self._obstore.get_range_async(store, key, start=start, end=end)
                 return bytes(data)
@@ -101,7 +128,9 @@ class S3Store:
     async def stream(
         self, url: str, start: int, end: int | None, chunk_size: int
     ) -> AsyncGenerator[bytes, None]:
-        """Chunks of bytes start..end; a broken stream resumes where it stopped."""
+        """Chunks of bytes start..end; a broken stream resumes where it stopped. At most
+        max_object_bytes in all."""
+        check_range(url, start, end, self._max_bytes)
         store, key = self._locate(url)
         attempts = Attempts(url, self._policy, self._counters)
         position = start
@@ -110,6 +139,7 @@ class S3Store:
                 self._counters.requests += 1
                 window = {"range": {"offset": position} if end is None else (position, end)}
                 result = await self._obstore.get_async(store, key, options=window)
+                self._check_size(url, result.range[1] - start)
                 async for chunk in result.stream(min_chunk_size=chunk_size):
                     position += len(chunk)
                     attempts.reset()
@@ -117,6 +147,12 @@ class S3Store:
                 return
             except Exception as e:
                 await self._attempt(url, attempts, e)
+
+    def _check_size(self, url: str, size: int) -> None:
+        """Refuse, before its body is read, an answer that would take a read (or a stream,
+        counted from where it began) past max_object_bytes."""
+        if size > self._max_bytes:
+            raise too_large(url, self._max_bytes, f"the object has {size} bytes to read")
 
 
 def list_keys(prefix_url: str) -> list[str]:

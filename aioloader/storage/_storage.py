@@ -17,6 +17,7 @@ from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
 from ._http import HttpStore
+from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore
 from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
 from ._s3 import S3Store
@@ -60,12 +61,18 @@ class Storage(AsyncClosing):
         timeout: float = DEFAULT_TIMEOUT,
         counters: StorageCounters | None = None,
         disk_cache: DiskCache | None = None,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     ) -> None:
+        """`max_object_bytes` bounds what one remote read or stream returns, so a server that
+        sends without end (or announces 100 GB) gets a FetchError, not all of the memory."""
+        if max_object_bytes < 1:
+            raise ValueError(f"max_object_bytes must be 1 or more, got {max_object_bytes}")
         self.counters = counters if counters is not None else StorageCounters()
         self._disk_cache = disk_cache
         self._local = LocalStore(max_threads=min(32, concurrency))
         self._policy = RetryPolicy(retries, timeout)
-        self._http = HttpStore(concurrency, self._policy, self.counters)
+        self._max_object_bytes = max_object_bytes
+        self._http = HttpStore(concurrency, self._policy, self.counters, max_object_bytes)
         self._s3: S3Store | None = None
         self._coalescer = RangeCoalescer(self._read)
 
@@ -74,7 +81,7 @@ class Storage(AsyncClosing):
         if not url.startswith("s3://"):
             return self._http
         if self._s3 is None:
-            self._s3 = S3Store(self._policy, self.counters)
+            self._s3 = S3Store(self._policy, self.counters, self._max_object_bytes)
         return self._s3
 
     async def read(self, url: str) -> bytes:
