@@ -7,7 +7,16 @@ for `async for`, plain `for` and PyTorch.
 from . import storage, vision
 from ._cache import SharedCache
 from ._collate import default_collate
-from ._datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
+from ._datasets import (
+    Dataset,
+    Files,
+    Parquet,
+    ParquetError,
+    RecordIO,
+    Stream,
+    StreamBatches,
+    TarShards,
+)
 from ._errors import FetchError, LoaderError, SampleError, WorkerDiedError
 from ._loader import Loader
 from ._runtime.workers import WorkerInfo, get_worker_info
@@ -23,6 +32,8 @@ __all__ = [
     "Loader",
     "LoaderError",
     "LoaderStats",
+    "Parquet",
+    "ParquetError",
     "RecordIO",
     "SampleError",
     "ShardInfo",
