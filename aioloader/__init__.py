@@ -7,7 +7,16 @@ for `async for`, plain `for` and PyTorch.
 from . import storage, vision
 from ._cache import SharedCache
 from ._collate import default_collate
-from ._datasets import Dataset, Files, RecordIO, Stream, StreamBatches, TarShards
+from ._datasets import (
+    Dataset,
+    Files,
+    Parquet,
+    ParquetError,
+    RecordIO,
+    Stream,
+    StreamBatches,
+    TarShards,
+)
 from ._errors import (
     DecodeTimeoutError,
     FetchError,
@@ -31,6 +40,8 @@ __all__ = [
     "Loader",
     "LoaderError",
     "LoaderStats",
+    "Parquet",
+    "ParquetError",
     "RecordIO",
     "SampleError",
     "ShardInfo",

@@ -47,6 +47,7 @@ from ._sampling import (
 from ._stats import LoaderStats
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._diskcache import DiskCache
+from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
 from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
 from .storage._storage import Storage
 
@@ -103,6 +104,9 @@ class Loader(Closing, AsyncClosing):
             and be replaced, their work sent again, before WorkerDiedError.
         memory_limit: bytes of raw and decoded samples the loader holds, in flight or waiting
             for the consumer; no new read starts while it is over. None: 1 GiB.
+        max_object_bytes: the most one read may return (2 GiB); a larger object, or a body
+            that runs on, raises FetchError without retrying. Streams hold a chunk at a time
+            and are not bound by it.
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class Loader(Closing, AsyncClosing):
         stall_timeout: float = 600.0,
         max_worker_restarts: int = 3,
         memory_limit: int | None = None,
+        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
     ) -> None:
         if not isinstance(dataset, Stream) and not (
             hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
@@ -160,6 +165,7 @@ class Loader(Closing, AsyncClosing):
         _check_seconds("decode_timeout", decode_timeout, allow_none=True)
         _check_seconds("stall_timeout", stall_timeout)
         _check_count("memory_limit", memory_limit, minimum=1, allow_none=True)
+        _check_count("max_object_bytes", max_object_bytes, minimum=1)
         if isinstance(dataset, Stream):
             dataset.check_batching(batch_size, ordered)
         if on_error not in ("raise", "skip"):
@@ -201,6 +207,7 @@ class Loader(Closing, AsyncClosing):
         self.stall_timeout = stall_timeout
         self.max_worker_restarts = max_worker_restarts
         self.memory_limit = DEFAULT_MEMORY_LIMIT if memory_limit is None else memory_limit
+        self.max_object_bytes = max_object_bytes
         self.stats = LoaderStats()
         self.cache = cache
         self.disk_cache = None if cache_dir is None else DiskCache(cache_dir, cache_limit)
@@ -354,7 +361,7 @@ class Loader(Closing, AsyncClosing):
         reads = autotune.ReadLimit(self.concurrency)
         connections = autotune.HIGHEST if self.auto_concurrency else self.concurrency
         storage = Storage(connections, self.retries, self.timeout, stats.storage,
-                          self.disk_cache)
+                          self.disk_cache, self.max_object_bytes)
         source: PlannedSource | StreamSource
         if isinstance(self.dataset, Stream):
             source = StreamSource(

@@ -2,8 +2,18 @@
 
 from .base import Dataset, Stream
 from .files import Files
+from .parquet import Parquet, ParquetError
 from .recordio import RecordIO
 from .streambatches import StreamBatches
 from .tarshards import TarShards
 
-__all__ = ["Dataset", "Files", "RecordIO", "Stream", "StreamBatches", "TarShards"]
+__all__ = [
+    "Dataset",
+    "Files",
+    "Parquet",
+    "ParquetError",
+    "RecordIO",
+    "Stream",
+    "StreamBatches",
+    "TarShards",
+]

@@ -173,9 +173,9 @@ class HttpStore:
         self, url: str, start: int, end: int | None, chunk_size: int
     ) -> AsyncGenerator[bytes, None]:
         """Chunks of bytes start..end; a broken connection resumes where it stopped, and the
-        retry budget counts failures in a row, so a long stream survives many blips. At most
-        max_object_bytes in all."""
-        check_range(url, start, end, self._max_bytes)
+        retry budget counts failures in a row, so a long stream survives many blips. Not bound
+        by max_object_bytes: a stream holds one chunk at a time (a .rec scanned without its
+        .idx may be 100 GB)."""
         session = self._get_session()
         attempts = Attempts(url, self._policy, self._counters)
         # a stream may run for minutes: bound each wait for data, not the whole response
@@ -188,8 +188,7 @@ class HttpStore:
                 first = position if end is not None or position > 0 else None
                 headers = range_header(first, end)
                 async with session.get(url, headers=headers, timeout=timeout) as response:
-                    left = self._max_bytes - (position - start)
-                    body = self._body(url, response, first, end, left, chunk_size, whole=False)
+                    body = self._body(url, response, first, end, None, chunk_size, whole=False)
                     async with aclosing(body):
                         async for chunk in body:
                             position += len(chunk)
@@ -207,7 +206,7 @@ class HttpStore:
         response: aiohttp.ClientResponse,
         start: int | None,
         end: int | None,
-        limit: int,
+        limit: int | None,
         chunk_size: int,
         whole: bool = True,
     ) -> AsyncGenerator[bytes, None]:
@@ -223,7 +222,10 @@ class HttpStore:
             self._range_ignored(url)
             skip = start
         chunks = _cut(url, response, skip, keep, limit, chunk_size)
-        return chunks if bits is None else _decoded(url, chunks, bits, limit)
+        if bits is None:
+            return chunks
+        assert limit is not None  # only whole reads are decoded
+        return _decoded(url, chunks, bits, limit)
 
     def _range_ignored(self, url: str) -> None:
         """Count a 200 answer to a Range request; say so once per storage."""
@@ -248,14 +250,15 @@ async def _cut(
     response: aiohttp.ClientResponse,
     skip: int,
     keep: int | None,
-    limit: int,
+    limit: int | None,
     chunk_size: int,
 ) -> AsyncGenerator[bytes, None]:
     """The body after its first `skip` bytes, `keep` of them (None: to the end), never more
-    than `limit`: refused up front when Content-Length says so, else counted as it arrives.
-    Stopping before the end drops the connection rather than reading on."""
+    than `limit` (None: a stream, held a chunk at a time): refused up front when
+    Content-Length says so, else counted as it arrives. Stopping before the end drops the
+    connection rather than reading on."""
     size = response.content_length
-    if keep is None and size is not None and size - skip > limit:
+    if limit is not None and keep is None and size is not None and size - skip > limit:
         raise too_large(url, limit, f"the server announced {size} bytes")
     kept = 0
     async for data in response.content.iter_chunked(chunk_size):
@@ -264,7 +267,7 @@ async def _cut(
         if keep is not None:
             chunk = chunk[: keep - kept]
         kept += len(chunk)
-        if kept > limit:
+        if limit is not None and kept > limit:
             raise too_large(url, limit, "the body ran on")
         if chunk:
             yield chunk
