@@ -15,6 +15,14 @@ from ._errors import LoaderError
 
 BLOCK = 512
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+_PAX_LENGTH = re.compile(rb"([0-9]{1,20}) ")
+"""A pax record's decimal length and the space after it; 20 digits is already absurd."""
+MAX_MEMBER_BYTES = 2 << 30
+"""The largest tar member read by default (2 GiB): a member is held in memory whole."""
+MAX_METADATA_BYTES = 1 << 20
+"""The largest pax header or GNU long name: they hold a name and a few attributes, and a
+pax header is parsed record by record on the event loop."""
+_METADATA = (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE, tarfile.XGLTYPE)
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 """WebDataset's base_plus_ext: the key runs to the first dot of the file name."""
 
@@ -37,16 +45,22 @@ class _Reader:
                 self._buffer += await anext(self._chunks)
             except StopAsyncIteration:
                 break
-        data = bytes(self._buffer[:size])
+        with memoryview(self._buffer) as view:
+            data = bytes(view[:size])  # one copy: a member may be gigabytes
         del self._buffer[:size]
         self.offset += len(data)
         return data
 
 
 async def tar_members(
-    chunks: AsyncIterator[bytes], where: str
+    chunks: AsyncIterator[bytes], where: str, max_member_bytes: int = MAX_MEMBER_BYTES
 ) -> AsyncGenerator[tuple[str, bytes], None]:
-    """(name, data) of each regular file in a tar archive streamed as `chunks`."""
+    """(name, data) of each regular file in a tar archive streamed as `chunks`.
+
+    A member is held in memory whole, so one whose header declares more than
+    `max_member_bytes` (`MAX_METADATA_BYTES` for pax headers and long names) is refused before
+    any of it is read: a forged size cannot exhaust memory.
+    """
     reader = _Reader(chunks)
     long_name: str | None = None
     while True:
@@ -60,37 +74,62 @@ async def tar_members(
             return
         try:
             info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
-        except tarfile.HeaderError as e:
+        except (tarfile.TarError, ValueError) as e:
             raise TarFormatError(f"{where}: bad tar header at offset {at}: {e}") from None
+        name = long_name or info.name
+        if info.size < 0:
+            raise TarFormatError(
+                f"{where}: tar member {name!r} at offset {at} declares a negative size "
+                f"({info.size})"
+            )
+        limit = MAX_METADATA_BYTES if info.type in _METADATA else max_member_bytes
+        if info.size > limit:
+            raise TarFormatError(
+                f"{where}: tar member {name!r} at offset {at} declares {info.size} bytes, "
+                f"over the limit of {limit} bytes"
+            )
         data = await reader.read(info.size)
         if len(data) < info.size:
             raise TarFormatError(
-                f"{where}: truncated tar member {info.name!r} at offset {at}: "
+                f"{where}: truncated tar member {name!r} at offset {at}: "
                 f"{info.size} bytes declared, {len(data)} present"
             )
         await reader.read(-info.size % BLOCK)
         if info.type == tarfile.GNUTYPE_LONGNAME:
             long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
-        elif info.type == tarfile.XHDTYPE:
-            long_name = _pax_path(data) or long_name
+        elif info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE):
+            path = _pax_path(data, where, at + BLOCK)
+            if info.type == tarfile.XHDTYPE:
+                long_name = path or long_name
         elif info.type in _REGULAR:
-            yield (long_name or info.name), data
+            yield name, data
             long_name = None
-        elif info.type != tarfile.XGLTYPE:
+        else:
             long_name = None
 
 
-def _pax_path(data: bytes) -> str | None:
-    """The `path` record of a pax extended header ("<length> path=<value>\\n" records)."""
+def _pax_path(data: bytes, where: str, offset: int) -> str | None:
+    """The `path` record of a pax extended header ("<length> <keyword>=<value>\\n" records).
+
+    Every record's framing is checked, so no length can stall or misplace the walk. `offset`
+    is where `data` starts in the shard. As in CPython's tarfile, a NUL byte ends the records.
+    """
+    path = None
     position = 0
-    while position < len(data):
-        space = data.index(b" ", position)
-        length = int(data[position:space])
-        keyword, _, value = data[space + 1 : position + length - 1].partition(b"=")
+    while position < len(data) and data[position] != 0:
+        match = _PAX_LENGTH.match(data, position)
+        end = position + int(match.group(1)) if match else 0
+        record = data[match.end() : end] if match and end <= len(data) else b""
+        keyword, equals, value = record[:-1].partition(b"=")  # of "keyword=value\n"
+        if not (record.endswith(b"\n") and keyword and equals):
+            raise TarFormatError(
+                f"{where}: bad pax header record at offset {offset + position}: "
+                f"{data[position : position + 40]!r}"
+            )
         if keyword == b"path":
-            return value.decode("utf-8", "surrogateescape")
-        position += length
-    return None
+            path = value.decode("utf-8", "surrogateescape")
+        position = end
+    return path
 
 
 def split_name(name: str) -> tuple[str, str] | None:

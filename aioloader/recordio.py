@@ -74,11 +74,24 @@ def pack(header: IRHeader | tuple[Any, ...], payload: bytes) -> bytes:
     return _IR_FORMAT.pack(*header) + payload
 
 
-def unpack(record: bytes) -> tuple[IRHeader, bytes]:
-    """The inverse of `pack`: with flag > 0 the label is a float32 array of that length."""
+def unpack(record: bytes, where: str = "record") -> tuple[IRHeader, bytes]:
+    """The inverse of `pack`: with flag > 0 the label is a float32 array of that length.
+
+    `where` only makes error messages name the record.
+    """
+    if len(record) < _IR_FORMAT.size:
+        raise RecordIOError(
+            f"{where}: too short for an image record header: {len(record)} bytes, "
+            f"the header alone takes {_IR_FORMAT.size}"
+        )
     header = IRHeader(*_IR_FORMAT.unpack_from(record))
     payload = record[_IR_FORMAT.size :]
     if header.flag > 0:
+        if len(payload) < 4 * header.flag:
+            raise RecordIOError(
+                f"{where}: the image record header says {header.flag} float32 labels "
+                f"({4 * header.flag} bytes) follow it, but only {len(payload)} bytes do"
+            )
         labels: npt.NDArray[np.float32] = np.frombuffer(payload, np.float32, header.flag)
         header = header._replace(label=labels)
         payload = payload[header.flag * 4 :]
@@ -125,18 +138,8 @@ def decode(data: bytes | memoryview, where: str = "record", offset: int = 0) -> 
                 f"header, {len(data) - position} bytes remain"
             )
         magic, lrec = HEADER.unpack_from(data, position)
-        if magic != MAGIC:
-            raise RecordIOError(
-                f"{where}: bad magic at offset {offset + position}: expected 0x{MAGIC:08x}, "
-                f"found 0x{magic:08x}"
-            )
         flag, length = lrec >> 29, lrec & MAX_LENGTH
-        if flag not in ((MIDDLE, LAST) if pieces else (WHOLE, FIRST)):
-            expected = "a continuation part" if pieces else "the start of a record"
-            raise RecordIOError(
-                f"{where}: at offset {offset + position} expected {expected}, "
-                f"found part flag {flag}"
-            )
+        _check_part(where, offset + position, magic, flag, inside=bool(pieces))
         start = position + HEADER.size
         if len(data) - start < length:
             raise RecordIOError(
@@ -149,13 +152,18 @@ def decode(data: bytes | memoryview, where: str = "record", offset: int = 0) -> 
             return MAGIC_BYTES.join(pieces), min(position, len(data))
 
 
-def record_starts(data: bytes | memoryview, start: int = 0) -> Iterator[int]:
+def record_starts(
+    data: bytes | memoryview, start: int = 0, where: str = "data"
+) -> Iterator[int]:
     """Offsets in `data` where a record begins, from the first record start at or after `start`.
 
     Resynchronises like dmlc's `SeekRecordBegin`: a record begins at an aligned magic followed
     by a length word whose flag is 0 or 1 (the writer never leaves an aligned magic in a
-    payload, so nothing else matches). Stops where a header no longer fits in `data`.
+    payload, so nothing else matches). Stops where a header no longer fits in `data`; a record
+    cut short there is for `decode` to report. `where` only makes error messages name the file.
     """
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
     view = memoryview(data)
     position = start + _pad(start)
     while position + HEADER.size <= len(view):
@@ -163,30 +171,58 @@ def record_starts(data: bytes | memoryview, start: int = 0) -> Iterator[int]:
         if magic == MAGIC and lrec >> 29 in (WHOLE, FIRST):
             break
         position += 4
+    inside = False  # after a first or middle part: a continuation must follow
     while position + HEADER.size <= len(view):
         magic, lrec = HEADER.unpack_from(view, position)
-        if magic != MAGIC:
-            raise RecordIOError(f"bad magic at offset {position} while scanning")
-        if lrec >> 29 in (WHOLE, FIRST):
+        flag, length = lrec >> 29, lrec & MAX_LENGTH
+        _check_part(where, position, magic, flag, inside)
+        if flag in (WHOLE, FIRST):
             yield position
-        length = lrec & MAX_LENGTH
+        inside = flag in (FIRST, MIDDLE)
         position += HEADER.size + length + _pad(length)
 
 
-def read_index(text: str, where: str) -> tuple[list[str], list[int]]:
-    """Keys and byte offsets from an `.idx` file (`key\\toffset` lines)."""
+def _check_part(where: str, offset: int, magic: int, flag: int, inside: bool) -> None:
+    """Raise unless a part header with this magic and flag may come here."""
+    if magic != MAGIC:
+        raise RecordIOError(
+            f"{where}: bad magic at offset {offset}: expected 0x{MAGIC:08x}, found 0x{magic:08x}"
+        )
+    if flag not in ((MIDDLE, LAST) if inside else (WHOLE, FIRST)):
+        expected = "a continuation part" if inside else "the start of a record"
+        raise RecordIOError(
+            f"{where}: at offset {offset} expected {expected}, found part flag {flag}"
+        )
+
+
+def read_index(text: str | bytes, where: str) -> tuple[list[str], list[int]]:
+    """Keys and byte offsets from an `.idx` file (`key\\toffset` lines, UTF-8).
+
+    An offset must be a plain non-negative decimal; whether it lies inside the `.rec` file is
+    for the caller, who knows its size.
+    """
+    if isinstance(text, bytes):
+        raw = text
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            number = raw.count(b"\n", 0, e.start) + 1
+            raise RecordIOError(
+                f"{where}: not UTF-8 at byte offset {e.start} (line {number})"
+            ) from None
     keys, offsets = [], []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
-        try:
-            key, offset = line.split("\t")
-            offsets.append(int(offset))
-        except ValueError:
+        key, tab, field = line.partition("\t")
+        offset = field.strip()
+        if not (tab and offset.isascii() and offset.isdigit() and len(offset) <= 20):
             raise RecordIOError(
-                f"{where}: line {number} is not 'key<TAB>offset': {line[:80]!r}"
-            ) from None
+                f"{where}: line {number} is not 'key<TAB>offset' with a non-negative "
+                f"offset: {line[:80]!r}"
+            )
         keys.append(key)
+        offsets.append(int(offset))
     return keys, offsets
 
 

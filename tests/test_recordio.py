@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import struct
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -181,3 +183,107 @@ def test_loader_skips_corrupt_records_only_when_asked(tmp_path: Path) -> None:
         list(aioloader.Loader(dataset, batch_size=None, num_workers=0))
     loader = aioloader.Loader(dataset, batch_size=None, num_workers=0, on_error="skip")
     assert len(list(loader)) == 2 and loader.stats.skipped == 1
+
+
+def record_header(flag: int, length: int) -> bytes:
+    return recordio.HEADER.pack(recordio.MAGIC, flag << 29 | length)
+
+
+@pytest.mark.parametrize(
+    ("record", "cause"),
+    [
+        (b"", "too short for an image record header: 0 bytes"),
+        (bytes(23), "too short for an image record header: 23 bytes"),
+        (struct.pack("<IfQQ", 1000, 0, 1, 2) + b"x" * 40, "says 1000 float32 labels"),
+        (struct.pack("<IfQQ", 2, 0, 1, 2) + b"1234567", "says 2 float32 labels"),
+    ],
+)
+def test_unpack_of_a_short_record_raises_recordio_error(record: bytes, cause: str) -> None:
+    with pytest.raises(RecordIOError, match=f"^record: .*{cause}"):
+        recordio.unpack(record)
+    with pytest.raises(RecordIOError, match=f"^x.rec#7: .*{cause}"):
+        recordio.unpack(record, "x.rec#7")
+
+
+def test_non_utf8_index_names_the_file_and_byte_offset(tmp_path: Path) -> None:
+    (tmp_path / "latin.idx").write_bytes(b"0\t0\nk\xe9\t12\n")
+    with pytest.raises(RecordIOError, match=r"latin\.idx: not UTF-8 at byte offset 5 \(line 2\)"):
+        aioloader.RecordIO(str(DATA / "golden.rec"), str(tmp_path / "latin.idx"))
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["just-a-key", "k\t12\t13", "k\t", "k\t-12", "k\t1_2", "k\t+12", "k\t\u0661\u0662", "k\t0x10"],
+)
+def test_malformed_index_line_names_the_file_and_line(tmp_path: Path, line: str) -> None:
+    (tmp_path / "bad.idx").write_text(f"0\t0\n\n{line}\n")
+    with pytest.raises(RecordIOError, match=r"bad\.idx: line 3 is not 'key<TAB>offset'"):
+        aioloader.RecordIO(str(DATA / "golden.rec"), str(tmp_path / "bad.idx"))
+
+
+def test_index_accepts_crlf_line_ends_and_blank_lines() -> None:
+    assert recordio.read_index("a\t0\r\n\r\nb\t16\r\n", "x.idx") == (["a", "b"], [0, 16])
+
+
+def test_duplicate_offsets_in_an_index_name_the_index(tmp_path: Path) -> None:
+    (tmp_path / "dup.idx").write_text("0\t0\n1\t16\n2\t0\n")
+    with pytest.raises(RecordIOError, match=r"dup\.idx: keys \d and \d both point to offset 0"):
+        aioloader.RecordIO(str(DATA / "golden.rec"), str(tmp_path / "dup.idx"))
+
+
+def test_record_starts_names_the_file_and_offset_of_bad_magic() -> None:
+    data = recordio.encode(b"abcd") + b"junkjunk" + recordio.encode(b"efgh")
+    with pytest.raises(RecordIOError, match=r"^x\.rec: bad magic at offset 12: expected 0xced"):
+        list(recordio.record_starts(data, where="x.rec"))
+
+
+def test_record_starts_refuses_a_broken_part_sequence() -> None:
+    data = record_header(recordio.FIRST, 4) + b"1234" + recordio.encode(b"whole")
+    with pytest.raises(RecordIOError, match=r"^x\.rec: at offset 12 expected a continuation part"):
+        list(recordio.record_starts(data, where="x.rec"))
+
+
+def test_scan_refuses_a_forged_length_at_its_header(tmp_path: Path) -> None:
+    path = tmp_path / "forged.rec"
+    first = recordio.encode(b"a good record")
+    path.write_bytes(first + record_header(recordio.WHOLE, recordio.MAX_LENGTH) + bytes(3 << 20))
+    with pytest.raises(
+        RecordIOError,
+        match=rf"forged\.rec: truncated record at offset {len(first)}: its header says "
+        rf"{recordio.MAX_LENGTH} bytes, the file has {3 << 20} after it",
+    ):
+        aioloader.RecordIO(str(path))
+
+
+def test_decode_of_a_forged_length_does_not_allocate_it() -> None:
+    data = record_header(recordio.WHOLE, recordio.MAX_LENGTH) + bytes(1000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(RecordIOError, match="header says 536870911 bytes, 1000 remain"):
+            recordio.decode(data, "x.rec")
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+def test_scan_refuses_a_file_that_begins_inside_a_record(tmp_path: Path) -> None:
+    path = tmp_path / "x.rec"
+    path.write_bytes(record_header(recordio.MIDDLE, 4) + b"1234" + recordio.encode(b"whole"))
+    with pytest.raises(RecordIOError, match=r"x\.rec: at offset 0 expected the start of a rec"):
+        aioloader.RecordIO(str(path))
+
+
+@pytest.mark.parametrize(
+    ("tail", "error"),
+    [
+        (b"\0\0\0\0", "truncated record at offset 16: expected an 8-byte header, 4 bytes"),
+        (record_header(recordio.FIRST, 4) + b"1234", "truncated record at offset 16: the file"),
+    ],
+)
+def test_scan_refuses_a_file_that_ends_inside_a_record(
+    tmp_path: Path, tail: bytes, error: str
+) -> None:
+    path = tmp_path / "x.rec"
+    path.write_bytes(recordio.encode(b"whole") + tail)
+    with pytest.raises(RecordIOError, match=rf"x\.rec: {error}"):
+        aioloader.RecordIO(str(path))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import tarfile
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import pytest
 
 import aioloader
 from aioloader._datasets.tarshards import expand_braces
-from aioloader._tar import TarFormatError
+from aioloader._tar import TarFormatError, samples, tar_members
 from aioloader.testing import Nginx, TestServer
 
 
@@ -32,6 +34,49 @@ def write_shards(folder: Path, shards: int = 4, per_shard: int = 10) -> list[str
         names.append(f"shard-{s:03d}.tar")
         write_shard(folder / names[-1], files)
     return names
+
+
+def member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE, size: int | None = None) -> bytes:
+    """One header block (GNU format: any size, even negative, fits) and the padded data."""
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.size = len(data) if size is None else size
+    return info.tobuf(tarfile.GNU_FORMAT) + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+def pax_shard(records: bytes) -> bytes:
+    """A pax extended header holding `records`, then one file it would name."""
+    pax = member("././@PaxHeader", records, tarfile.XHDTYPE)
+    return pax + member("k.txt", b"text") + bytes(2 * tarfile.BLOCKSIZE)
+
+
+def pax_record(keyword: str, value: str) -> bytes:
+    """A well-formed "<length> <keyword>=<value>\\n" record."""
+    body = f" {keyword}={value}\n".encode()
+    digits = 1
+    while len(str(len(body) + digits)) != digits:
+        digits += 1
+    return str(len(body) + digits).encode() + body
+
+
+async def as_chunks(data: bytes, size: int) -> AsyncIterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+def parse(data: bytes | Iterable[bytes], where: str = "s.tar") -> list[dict[str, Any]]:
+    """Samples of a shard given whole (fed in 700-byte chunks) or as its chunks."""
+
+    async def run() -> list[dict[str, Any]]:
+        chunks = as_chunks(data, 700) if isinstance(data, bytes) else _iterate(data)
+        return [s async for s in samples(tar_members(chunks, where), where)]
+
+    return asyncio.run(run())
+
+
+async def _iterate(chunks: Iterable[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
 
 
 def label(sample: dict[str, Any]) -> int:
@@ -131,3 +176,111 @@ def test_shuffle_is_reproducible_and_ranks_are_disjoint(tmp_path: Path) -> None:
 def test_fetch_errors_in_a_stream_name_the_shard(server: TestServer) -> None:
     with pytest.raises(aioloader.LoaderError, match=r"missing-shard\.tar.*404"):
         read_samples(server.url + "missing-shard.tar")
+
+
+def test_pax_helpers_make_what_the_reader_accepts() -> None:
+    records = pax_record("path", "dir/named.txt") + pax_record("comment", "x" * 95)
+    with tarfile.open(fileobj=io.BytesIO(pax_shard(records))) as tar:
+        assert tar.getnames() == ["dir/named.txt"]
+    assert [s["__key__"] for s in parse(pax_shard(records))] == ["dir/named"]
+
+
+@pytest.mark.timeout(20)
+def test_pax_record_of_length_zero_raises_instead_of_hanging() -> None:
+    with pytest.raises(TarFormatError, match=r"^s\.tar: bad pax header record at offset 512: "):
+        parse(pax_shard(b"0 path=x\n"))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    "record",
+    [
+        b"0 path=x\n",  # length 0
+        b"3 path=x\n",  # length inside its own digits
+        b"x3 path=a\n",  # not a number
+        b"-9 path=a\n",  # negative
+        b"99 path=a\n",  # past the end of the header data
+        b"12 pathxabc\n",  # no '='
+        b"11 =abcdef\n",  # no keyword
+        b"12 path=abcd\0",  # no newline where the length ends
+        b"path=a\n",  # no length at all
+        b"18446744073709551616999 path=a\n",  # absurdly many digits
+    ],
+)
+def test_malformed_pax_records_raise_tar_format_error_naming_shard_and_offset(
+    record: bytes,
+) -> None:
+    first = pax_record("mtime", "1.5")
+    at = 512 + len(first)
+    with pytest.raises(TarFormatError, match=rf"^s\.tar: bad pax header record at offset {at}: "):
+        parse(pax_shard(first + record))
+
+
+def test_malformed_global_pax_header_is_reported_too() -> None:
+    data = member("pax_global_header", b"5 x\n\n", tarfile.XGLTYPE) + member("k.txt", b"t")
+    with pytest.raises(TarFormatError, match=r"^s\.tar: bad pax header record at offset 512"):
+        parse(data)
+
+
+def test_pax_records_may_end_in_zero_padding_as_tarfile_accepts() -> None:
+    records = pax_record("path", "padded.txt") + bytes(20)
+    assert [s["__key__"] for s in parse(pax_shard(records))] == ["padded"]
+
+
+def test_bad_number_in_a_header_names_the_shard_and_offset() -> None:
+    second = bytearray(member("b.txt", b"b"))
+    second[108:116] = b"9" * 8  # uid: not octal
+    with pytest.raises(TarFormatError, match=r"^s\.tar: bad tar header at offset 1024"):
+        parse(member("a.txt", b"a") + bytes(second))
+
+
+def test_negative_base256_size_raises_instead_of_swallowing_the_shard() -> None:
+    data = member("a.txt", b"", size=-1) + member("b.txt", b"b") + member("c.txt", b"c")
+    with pytest.raises(
+        TarFormatError, match=r"^s\.tar: tar member 'a.txt' at offset 0 declares a negative size"
+    ):
+        parse(data)
+
+
+def test_forged_huge_member_size_is_refused_before_reading_it() -> None:
+    pulled = []
+
+    def chunks() -> Iterable[bytes]:
+        yield member("x/forged.bin", b"", size=1 << 40)
+        zeros = bytes(1 << 20)
+        for n in range(16):
+            pulled.append(n)
+            yield zeros
+
+    with pytest.raises(
+        TarFormatError,
+        match=rf"^s\.tar: tar member 'x/forged.bin' at offset 0 declares {1 << 40} bytes, "
+        rf"over the limit of {2 << 30} bytes",
+    ):
+        parse(chunks())
+    assert len(pulled) <= 1
+
+
+def test_max_member_bytes_refuses_a_larger_member_and_admits_one_at_the_limit(
+    tmp_path: Path,
+) -> None:
+    write_shard(tmp_path / "big.tar", [("a.txt", b"small"), ("b/large.bin", bytes(5000))])
+    url = str(tmp_path / "big.tar")
+    with pytest.raises(
+        TarFormatError,
+        match=r"big\.tar: tar member 'b/large.bin' at offset 1024 declares 5000 bytes, "
+        r"over the limit of 4096 bytes",
+    ):
+        list(aioloader.Loader(
+            aioloader.TarShards(url, max_member_bytes=4096), batch_size=None, num_workers=0
+        ))
+    loader = aioloader.Loader(
+        aioloader.TarShards(url, max_member_bytes=5000), batch_size=None, num_workers=0
+    )
+    assert [s["__key__"] for s in loader] == ["a", "b/large"]
+
+
+def test_long_names_over_a_mebibyte_are_refused() -> None:
+    data = member("././@LongLink", b"", tarfile.GNUTYPE_LONGNAME, size=(1 << 20) + 1)
+    with pytest.raises(TarFormatError, match=r"^s\.tar: .* over the limit of 1048576 bytes"):
+        parse(data)

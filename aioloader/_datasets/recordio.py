@@ -11,7 +11,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .._loopthread import run_sync
-from ..recordio import FIRST, HEADER, MAGIC, MAX_LENGTH, WHOLE, RecordIOError, decode, read_index
+from ..recordio import (
+    FIRST,
+    HEADER,
+    MAGIC,
+    MAX_LENGTH,
+    MIDDLE,
+    WHOLE,
+    RecordIOError,
+    _check_part,
+    decode,
+    read_index,
+)
 from ..storage import _storage as storage
 from .base import Dataset
 from .keys import KeyTable
@@ -110,7 +121,7 @@ async def _nothing() -> _FileRecords:
 async def _from_index(
     reads: storage.Storage, url: str, idx_url: str, size: int, low: int, high: int
 ) -> _FileRecords:
-    keys, offsets = read_index((await reads.read(idx_url)).decode("utf-8"), idx_url)
+    keys, offsets = read_index(await reads.read(idx_url), idx_url)
     order = sorted(range(len(offsets)), key=offsets.__getitem__)
     bounds = [offsets[i] for i in order] + [size]
     records = _FileRecords([], [], [])
@@ -119,6 +130,11 @@ async def _from_index(
             raise RecordIOError(
                 f"{idx_url}: key {keys[i]} points to offset {offsets[i]}, outside {url} "
                 f"({size} bytes)"
+            )
+        if bounds[rank + 1] == offsets[i]:
+            raise RecordIOError(
+                f"{idx_url}: keys {keys[i]} and {keys[order[rank + 1]]} both point to offset "
+                f"{offsets[i]} of {url}"
             )
         if low <= offsets[i] < high:
             records.starts.append(offsets[i])
@@ -131,42 +147,54 @@ async def _by_scanning(
     reads: storage.Storage, url: str, size: int, low: int, high: int
 ) -> _FileRecords:
     """Walk the record headers from `low`, resynchronising on the first record start when
-    `low` falls inside a record; keep the records that start before `high`."""
+    `low` falls inside a record; keep the records that start before `high`.
+
+    A part whose length runs past the end of the file fails at its header, before the
+    stream is read on to its end."""
     starts: list[int] = []
     position = low + -low % 4  # file offset of the next header to look at
     synced = low == 0  # a file must begin with a record; a split point may not
+    inside = False  # after a first or middle part: a continuation must follow
     buffer, base = bytearray(), position
     async with aclosing(reads.stream(url, position)) as chunks:
         async for chunk in chunks:
             buffer += chunk
             while (at := position - base) + HEADER.size <= len(buffer):
                 magic, lrec = HEADER.unpack_from(buffer, at)
-                begins = magic == MAGIC and lrec >> 29 in (WHOLE, FIRST)
-                if not synced and not begins:
+                flag, length = lrec >> 29, lrec & MAX_LENGTH
+                if not synced and not (magic == MAGIC and flag in (WHOLE, FIRST)):
                     position += 4
                     continue
-                if magic != MAGIC:
-                    raise RecordIOError(
-                        f"{url}: bad magic at offset {position}: expected 0x{MAGIC:08x}, "
-                        f"found 0x{magic:08x}"
-                    )
                 synced = True
-                if begins:
+                _check_part(url, position, magic, flag, inside)
+                if flag in (WHOLE, FIRST):
                     if position >= high:
-                        return _scanned(url, starts, position, size)
+                        return _scanned(starts, position)
                     starts.append(position)
-                length = lrec & MAX_LENGTH
-                position += HEADER.size + length + -length % 4
+                inside = flag in (FIRST, MIDDLE)
+                end = position + HEADER.size + length + -length % 4
+                if end > size:
+                    raise RecordIOError(
+                        f"{url}: truncated record at offset {position}: its header says "
+                        f"{length} bytes, the file has {max(size - position - HEADER.size, 0)} "
+                        "after it"
+                    )
+                position = end
             consumed = min(position - base, len(buffer))
             del buffer[:consumed]
             base += consumed
-    return _scanned(url, starts, position, size)
-
-
-def _scanned(url: str, starts: list[int], end: int, size: int) -> _FileRecords:
-    if starts and end > size:
+    if inside:
         raise RecordIOError(
-            f"{url}: truncated record at offset {starts[-1]}: it runs to byte {end}, "
-            f"the file has {size}"
+            f"{url}: truncated record at offset {starts[-1]}: the file ends at byte {size}, "
+            "before its last part"
         )
-    return _FileRecords(starts, [*starts[1:], min(end, size)], [f"@{s}" for s in starts])
+    if synced and position < size:
+        raise RecordIOError(
+            f"{url}: truncated record at offset {position}: expected an 8-byte header, "
+            f"{size - position} bytes remain"
+        )
+    return _scanned(starts, position)
+
+
+def _scanned(starts: list[int], end: int) -> _FileRecords:
+    return _FileRecords(starts, [*starts[1:], end], [f"@{s}" for s in starts])

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._sampling import epoch_order, get_shard_info
-from .._tar import samples, tar_members
+from .._tar import MAX_MEMBER_BYTES, samples, tar_members
 from ..storage import _storage as storage
 from .base import Stream
 
@@ -42,6 +42,9 @@ class TarShards(Stream):
     the Loader's `shuffle=True`, shard order is shuffled per epoch with the seed and samples
     pass through a shuffle buffer of `shuffle_buffer` samples. Ranks take every
     `world_size`-th shard of the epoch's order, so no sample reaches two ranks.
+
+    Each file is held in memory whole: one whose tar header declares more than
+    `max_member_bytes` fails the shard with a TarFormatError before any of it is read.
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class TarShards(Stream):
         shuffle_buffer: int = 1000,
         shards_ahead: int = 2,
         samples_ahead: int = 64,
+        max_member_bytes: int = MAX_MEMBER_BYTES,
     ) -> None:
         patterns = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [storage.check_url(u) for p in patterns for u in expand_braces(p)]
@@ -57,9 +61,12 @@ class TarShards(Stream):
             raise ValueError("TarShards needs at least one shard")
         if shuffle_buffer < 0 or shards_ahead < 1 or samples_ahead < 1:
             raise ValueError("shuffle_buffer must be >= 0, shards_ahead and samples_ahead >= 1")
+        if max_member_bytes < 0:
+            raise ValueError(f"max_member_bytes must be >= 0, got {max_member_bytes}")
         self.shuffle_buffer = shuffle_buffer
         self.shards_ahead = shards_ahead
         self.samples_ahead = samples_ahead
+        self.max_member_bytes = max_member_bytes
 
     def shards_for_this_rank(self) -> list[str]:
         info = get_shard_info()
@@ -88,7 +95,8 @@ class TarShards(Stream):
                 url = next(pending, None)
                 if url is not None:
                     queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.samples_ahead)
-                    reading.append((queue, asyncio.create_task(_fill(reads, url, queue))))
+                    task = asyncio.create_task(_fill(reads, url, queue, self.max_member_bytes))
+                    reading.append((queue, task))
 
             try:
                 for _ in range(self.shards_ahead):
@@ -107,10 +115,12 @@ class TarShards(Stream):
                 await asyncio.gather(*(task for _, task in reading), return_exceptions=True)
 
 
-async def _fill(reads: storage.Storage, url: str, queue: asyncio.Queue[Any]) -> None:
+async def _fill(
+    reads: storage.Storage, url: str, queue: asyncio.Queue[Any], max_member_bytes: int
+) -> None:
     try:
         async with aclosing(reads.stream(url)) as chunks, aclosing(
-            tar_members(chunks, url)
+            tar_members(chunks, url, max_member_bytes)
         ) as members, aclosing(samples(members, url)) as grouped:
             async for sample in grouped:
                 await queue.put(sample)
