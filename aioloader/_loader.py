@@ -486,7 +486,14 @@ class Loader(Closing, AsyncClosing):
         self._finalizer()
 
     async def aclose(self) -> None:
-        self.close()
+        """close() for async code: a pass running in this loop is closed here, and the decode
+        processes are stopped and joined on another thread, never blocking the loop."""
+        with self._lock:
+            running, loop = self._pass, self._pass_loop
+        if running is not None and loop is asyncio.get_running_loop():
+            running.fail(LoaderError("the Loader was closed while a pass was running"))
+            await self._close_pass(running)
+        await off_loop(self.close)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -107,3 +107,20 @@ def slow_decode(raw: bytes) -> int:
     while time.perf_counter() < until:
         pass
     return index_of(raw)
+
+
+def index_and_pid(raw: bytes) -> tuple[int, int]:
+    return index_of(raw), os.getpid()
+
+
+def stuck_on_five(raw: bytes) -> int:
+    """Sample 5 never finishes decoding."""
+    index = index_of(raw)
+    if index == 5:
+        time.sleep(3600)
+    return index
+
+
+def slow_index(raw: bytes) -> int:
+    time.sleep(0.02)
+    return index_of(raw)

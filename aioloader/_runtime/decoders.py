@@ -148,9 +148,9 @@ class PoolDecoder:
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
         self._waiting: deque[_Job] = deque()
-        self._assigned: dict[int, deque[_Job]] = {p.id: deque() for p in pool.processes}
+        self._assigned: dict[int, deque[_Job]] = {}
+        """Per process id: the chunks sent to it, in the order it runs them."""
         self._failure: BaseException | None = None
-        self._expected_deaths: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._held: list[DecodeProcess] = []
         self.restarts = 0
@@ -182,7 +182,7 @@ class PoolDecoder:
     def _dispatch(self) -> None:
         ready = [p for p in self._pool.processes if p.ready and p.alive and not p.retired]
         while self._waiting and ready:
-            process = min(ready, key=lambda p: len(self._assigned[p.id]))
+            process = min(ready, key=lambda p: len(self._assigned.setdefault(p.id, deque())))
             queue = self._assigned[process.id]
             if len(queue) >= PER_PROCESS:
                 return
@@ -195,8 +195,10 @@ class PoolDecoder:
             process.send(Task(job.id, job.chunk))
 
     def _on_message(self, process: DecodeProcess, message: object) -> None:
-        if process is not self._pool.processes[process.id] or self._pool.closed:
-            return  # a process replaced meanwhile: its chunks were sent again elsewhere
+        if process.retired or process is not self._pool.processes[process.id]:
+            return  # left by an earlier pass, or replaced meanwhile: its chunks went elsewhere
+        if self._pool.closed:
+            return
         if isinstance(message, Done):
             queue = self._assigned[process.id]
             job = next((j for j in queue if j.id == message.id), None)
@@ -216,11 +218,12 @@ class PoolDecoder:
         elif message == LOST:
             self._spawn(self._lost(process))
 
-    def _fail(self, error: BaseException) -> None:
-        """Nothing more can be decoded in this pass: every waiting chunk gets `error`."""
+    def _fail(self, error: BaseException, lost: list[_Job] | None = None) -> None:
+        """Nothing more can be decoded in this pass: every chunk waiting, sent or `lost` gets
+        `error`."""
         if self._failure is None:
             self._failure = error
-        jobs = [*self._waiting, *(j for q in self._assigned.values() for j in q)]
+        jobs = [*(lost or []), *self._waiting, *(j for q in self._assigned.values() for j in q)]
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(error)
@@ -228,7 +231,7 @@ class PoolDecoder:
 
     async def _lost(self, process: DecodeProcess) -> None:
         """A process died: replace it and send its chunks again (or give up, past the budget)."""
-        if process.pid in self._expected_deaths or self._failure is not None:
+        if self._failure is not None:
             return
         jobs = list(self._assigned.pop(process.id, ()))
         status = await off_loop(self._pool.exit_status, process, STATUS_WAIT)
@@ -241,7 +244,7 @@ class PoolDecoder:
                 f"{short_list(indices)}, after {self._max_restarts} restarts in this pass "
                 "(max_worker_restarts); the OOM killer or a crash in native code are the "
                 "usual causes"
-            ))
+            ), jobs)
             return
         self._on_restart(f"{process} ended abruptly ({cause}); restarted it and sent its "
                          f"{len(jobs)} chunk(s) again")
@@ -260,7 +263,12 @@ class PoolDecoder:
         await self._replace(process)
 
     async def _replace(self, process: DecodeProcess) -> None:
-        fresh = await off_loop(self._pool.replace, process)
+        if self._pool.processes[process.id] is not process:
+            return  # replaced already
+        try:
+            fresh = await off_loop(self._pool.replace, process)
+        except LoaderError:
+            return  # the pool closed meanwhile: the pass is over
         self._assigned[fresh.id] = deque()
         self._dispatch()
 
@@ -289,8 +297,7 @@ class PoolDecoder:
     def _time_out(self, process: DecodeProcess, queue: deque[_Job]) -> None:
         assert self._timeout is not None
         self.timeouts += 1
-        self._expected_deaths.add(process.pid)
-        process.kill()
+        process.retire()  # no more chunks for it; its end is not a crash
         head = queue.popleft()
         self._assigned.pop(process.id, None)
         self._give_up(head, DecodeTimeoutError(

@@ -142,8 +142,10 @@ class Pass:
         if self.closed:
             return
         self.closed = True
+        self._handover.fail(LoaderError("this pass was abandoned"))
         for task in self._tasks:
-            task.cancel()
+            with contextlib.suppress(RuntimeError):  # its loop may be closed already
+                task.cancel()
         self._decoder.abandon()
         if self._blocks is not None:
             for name in self._lent:
@@ -158,6 +160,7 @@ class Pass:
         if self.closed:
             return
         self.closed = True
+        self._handover.fail(LoaderError("this pass was closed"))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import LoaderError
 from .channel import Channel, dumps
 from .worker import STOP, DecodeSpec, Init, InitFailed, Ready
 from .zygote import Zygote
@@ -134,6 +135,8 @@ class DecodePool:
         )
         self._lock = threading.Lock()
         self._listener: tuple[asyncio.AbstractEventLoop, Listener] | None = None
+        self._membership = threading.Lock()
+        """Held while processes are replaced or the pool closes: none starts after close."""
         self.processes = [self._start(worker_id) for worker_id in range(num_workers)]
         self.closed = False
 
@@ -159,8 +162,11 @@ class DecodePool:
     def replace(self, process: DecodeProcess) -> DecodeProcess:
         """A new process in the place of `process`, which is killed if it still runs."""
         process.kill()
-        fresh = self._start(process.id)
-        self.processes[process.id] = fresh
+        with self._membership:
+            if self.closed:
+                raise LoaderError("the decode pool was closed")
+            fresh = self._start(process.id)
+            self.processes[process.id] = fresh
         threading.Thread(target=process.close, name="aioloader-decode-reap", daemon=True).start()
         return fresh
 
@@ -172,9 +178,10 @@ class DecodePool:
     def close(self) -> None:
         """Stop the processes: idle ones exit at once, busy ones get a grace period, then a
         kill. Blocking (bounded): call it off the event loop."""
-        if self.closed:
-            return
-        self.closed = True
+        with self._membership:
+            if self.closed:
+                return
+            self.closed = True
         self.listen(None)
         for process in self.processes:
             process.send(STOP)

@@ -1,0 +1,381 @@
+"""The runtime's lifecycle with real processes and signals: passes after a break, one pass at a
+time, closing from another thread, the main process's death, deadlines, the stall watchdog,
+recovery from dead decode processes, a /dev/shm too small for the batches, joins off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+import aioloader
+from aioloader._runtime import shm
+from aioloader.testing import TestServer
+
+from decoders import (
+    SAMPLE_COUNT,
+    die_on_five,
+    index_and_noise,
+    index_and_pid,
+    slow_index,
+    stuck_on_five,
+)
+
+TESTS = Path(__file__).resolve().parent
+
+
+def decode_processes() -> list[psutil.Process]:
+    """This interpreter's decode processes: the children of its zygote."""
+    zygotes = [p for p in psutil.Process().children()
+               if "aioloader._runtime.zygote_main" in " ".join(p.cmdline())]
+    return [p for zygote in zygotes for p in zygote.children()]
+
+
+def wait_until(condition: object, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return bool(condition())  # type: ignore[operator]
+
+
+# -- passes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+async def test_passes_started_right_after_a_break_all_decode_in_processes_and_finish(
+    local_paths: list[str], persistent: bool, leak_check: None
+) -> None:
+    me = os.getpid()
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=index_and_pid, batch_size=8,
+                              persistent_workers=persistent)
+    async with loader:
+        for _ in range(5):
+            async for _, pids in loader:
+                assert me not in pids.tolist()
+                break
+            for _, pids in loader:
+                assert me not in pids.tolist()
+                break
+        batches = [batch async for batch in loader]
+    assert sorted(int(i) for indices, _ in batches for i in indices) == list(range(SAMPLE_COUNT))
+    assert me not in {int(p) for _, pids in batches for p in pids}
+
+
+def test_a_second_pass_while_one_runs_raises_at_once(local_paths: list[str]) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=slow_index, batch_size=4)
+    with loader:
+        first = iter(loader)
+        next(first)
+        refused: list[str] = []
+
+        def second() -> None:
+            try:
+                next(iter(loader))
+            except aioloader.LoaderError as e:
+                refused.append(str(e))
+
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(30)
+        assert refused and "already running" in refused[0]
+        assert len(list(first)) == len(loader) - 1  # the first pass goes on undisturbed
+    assert loader.epoch == 1
+
+
+async def test_a_second_async_pass_in_another_task_raises_at_once(local_paths: list[str]) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=slow_index, batch_size=4)
+    async with loader:
+        first = aiter(loader)
+        await anext(first)
+
+        async def second() -> None:
+            async for _ in loader:
+                pass
+
+        with pytest.raises(aioloader.LoaderError, match="already running"):
+            await asyncio.wait_for(second(), 30)
+        assert len([b async for b in first]) == len(loader) - 1
+
+
+def test_close_from_another_thread_ends_the_pass_and_leaves_nothing(
+    urls: list[str], leak_check: None
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(urls * 20), decode=slow_index, batch_size=4)
+    iterator = iter(loader)
+    next(iterator)
+    closed_at: list[float] = []
+
+    def close() -> None:
+        closed_at.append(time.monotonic())
+        loader.close()
+
+    closer = threading.Timer(0.3, close)
+    closer.start()
+    with pytest.raises(aioloader.LoaderError, match="closed"):
+        for _ in iterator:
+            pass
+    raised_at = time.monotonic()
+    closer.join(30)
+    assert raised_at - closed_at[0] < 5  # the contract's bound on a hang, not a speed figure
+    with pytest.raises(aioloader.LoaderError, match="closed"):
+        list(loader)
+
+
+# -- the main process's death --------------------------------------------------------------------
+
+PARENT_SCRIPT = """
+import json, os, sys, time
+sys.path.insert(0, {tests!r})
+import numpy as np
+import aioloader
+from decoders import big_image
+
+paths = {paths!r}
+loader = aioloader.Loader(aioloader.Files(paths), decode=big_image, batch_size=10,
+                          persistent_workers=True)
+cache = aioloader.SharedCache(0.01)
+cache.attach(10)
+cache.put(1, np.arange(3))
+named = aioloader.SharedCache(0.01, name={name!r})
+named.attach(10)
+batches = iter(loader)
+kept = [next(batches), next(batches)]
+print(json.dumps({{"pid": os.getpid()}}), flush=True)
+time.sleep(120)
+"""
+
+
+def test_sigkill_of_the_main_process_leaves_no_process_and_no_shared_memory(
+    local_paths: list[str], tmp_path: Path
+) -> None:
+    name = f"orphan-{os.getpid()}"
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT_SCRIPT.format(tests=str(TESTS), paths=local_paths, name=name))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = json.loads(parent.stdout.readline())["pid"]
+        family = psutil.Process(pid).children(recursive=True)
+        assert len(family) >= 3  # the zygote and two decode processes
+        mine = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.prefix(pid))]
+        assert mine  # batch blocks and the unnamed cache
+        assert any(f"-cache-{name}-" in n for n in os.listdir(shm.SHM_DIR))
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+
+        def all_gone() -> bool:
+            alive = [p for p in family if p.is_running() and p.status() != "zombie"]
+            left = [n for n in os.listdir(shm.SHM_DIR)
+                    if n.startswith(shm.prefix(pid)) or f"-cache-{name}-" in n]
+            return not alive and not left
+
+        assert wait_until(all_gone, 10), "decode processes or segments outlived their parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+# -- deadlines and the watchdog -----------------------------------------------------------------
+
+
+def test_decode_timeout_names_the_samples_and_kills_the_stuck_process(
+    local_paths: list[str], leak_check: None
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=stuck_on_five, batch_size=4,
+                              decode_timeout=1)
+    with pytest.raises(aioloader.DecodeTimeoutError) as caught:
+        list(loader)
+    message = str(caught.value)
+    assert "samples [4, 5, 6, 7]" in message and "decode_timeout=1" in message
+    pid = int(re.search(r"pid (\d+)", message).group(1))  # type: ignore[union-attr]
+    assert wait_until(lambda: not psutil.pid_exists(pid) or
+                      psutil.Process(pid).status() == "zombie", 10)
+
+
+def test_decode_timeout_with_skip_drops_only_the_stuck_batch(local_paths: list[str]) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=stuck_on_five, batch_size=4,
+                              decode_timeout=1, on_error="skip")
+    with loader:
+        seen = [int(i) for batch in loader for i in batch]
+    assert seen == [i for i in range(SAMPLE_COUNT) if i not in (4, 5, 6, 7)]
+    assert loader.stats.skipped == 4
+    assert all("decode_timeout" in r for r in loader.stats.skip_reasons)
+
+
+def test_a_stopped_decode_process_raises_stall_error_naming_it(local_paths: list[str]) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths * 3), decode=slow_index,
+                              batch_size=4, stall_timeout=2)
+    with loader:
+        iterator = iter(loader)
+        next(iterator)
+        stopped = decode_processes()
+        for process in stopped:
+            process.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(aioloader.StallError, match=r"decode process \d \(pid \d+\)"):
+                for _ in iterator:
+                    pass
+        finally:
+            for process in stopped:
+                if process.is_running():
+                    process.send_signal(signal.SIGCONT)
+
+
+def test_a_read_that_never_answers_raises_stall_error_naming_the_url(
+    faulty_server: TestServer,
+) -> None:
+    faulty_server.set_faults(stall_rate=1.0, stall_seconds=300)
+    urls = [f"{faulty_server.url}{i:04d}.bin" for i in range(8)]
+    loader = aioloader.Loader(aioloader.Files(urls), batch_size=4, num_workers=0, timeout=300,
+                              stall_timeout=1)
+    with pytest.raises(aioloader.StallError, match=r"read of sample \d \(http://.*\.bin\)"):
+        list(loader)
+
+
+# -- recovery -----------------------------------------------------------------------------------
+
+
+def reference_batches(paths: list[str]) -> list[dict[str, np.ndarray]]:
+    with aioloader.Loader(aioloader.Files(paths), decode=index_and_noise, batch_size=4,
+                          shuffle=True, seed=7, num_workers=0) as loader:
+        return list(loader)
+
+
+def test_a_killed_decode_process_is_replaced_and_the_epoch_is_unchanged(
+    local_paths: list[str],
+) -> None:
+    reference = reference_batches(local_paths)
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=index_and_noise,
+                              batch_size=4, shuffle=True, seed=7, prefetch=1)
+    got = []
+    with loader, pytest.warns(RuntimeWarning, match="SIGKILL"):
+        for n, batch in enumerate(loader):
+            got.append(batch)
+            if n == 3:
+                for process in decode_processes():  # as the OOM killer would
+                    process.send_signal(signal.SIGKILL)
+    assert loader.stats.worker_restarts >= 2
+    assert len(got) == len(reference)
+    for mine, theirs in zip(got, reference, strict=True):
+        np.testing.assert_array_equal(mine["index"], theirs["index"])
+        np.testing.assert_array_equal(mine["noise"], theirs["noise"])
+
+
+def test_deaths_past_max_worker_restarts_raise_worker_died_error(
+    local_paths: list[str], leak_check: None
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths * 5), decode=slow_index, batch_size=4,
+                              max_worker_restarts=0)
+    with pytest.raises(aioloader.WorkerDiedError, match="max_worker_restarts"), loader:
+        for n, _ in enumerate(loader):
+            if n == 2:
+                decode_processes()[0].send_signal(signal.SIGKILL)
+
+
+def test_samples_that_kill_a_process_twice_are_named_and_not_sent_again(
+    local_paths: list[str],
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=die_on_five, batch_size=4)
+    with pytest.raises(aioloader.WorkerDiedError, match=r"samples \[4, 5, 6, 7\] killed"), \
+            pytest.warns(RuntimeWarning, match="SIGKILL"):
+        list(loader)
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=die_on_five, batch_size=4,
+                              on_error="skip")
+    with loader, pytest.warns(RuntimeWarning, match="SIGKILL"):
+        seen = [int(i) for batch in loader for i in batch]
+    assert seen == [i for i in range(SAMPLE_COUNT) if i not in (4, 5, 6, 7)]
+
+
+# -- a small /dev/shm ---------------------------------------------------------------------------
+
+SMALL_SHM_SCRIPT = """
+import sys, warnings
+sys.path.insert(0, {tests!r})
+import numpy as np
+import aioloader
+
+def big(raw):
+    index = int.from_bytes(raw[:4], "little")
+    return np.full((3, 224, 224), index, np.float32)   # 600 KB a sample, 38 MB a batch of 64
+
+paths = {paths!r}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with aioloader.Loader(aioloader.Files(paths * 3), decode=big, batch_size=64) as loader:
+        total = 0
+        for batch in loader:
+            assert (batch[:, 0, 0, 0] == batch[:, 1, 2, 3]).all()
+            total += len(batch)
+print("samples", total)
+print("transport", loader.stats.transport)
+print("warned", [str(w.message) for w in caught if "shm" in str(w.message)][:1])
+try:
+    aioloader.SharedCache(1)
+except ValueError as e:
+    print("cache refused:", e)
+"""
+
+
+def in_small_shm(script: Path, megabytes: int) -> subprocess.CompletedProcess[str]:
+    command = (f"mount -t tmpfs -o size={megabytes}m tmpfs /dev/shm && "
+               f"exec {sys.executable} {script}")
+    return subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_batches_larger_than_dev_shm_come_pickled_with_a_warning_never_sigbus(
+    local_paths: list[str], tmp_path: Path
+) -> None:
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare for a private /dev/shm")
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM_SCRIPT.format(tests=str(TESTS), paths=local_paths))
+    done = in_small_shm(script, 64)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"samples {3 * SAMPLE_COUNT}" in done.stdout
+    transport = json.loads(re.search(r"transport (.*)", done.stdout)  # type: ignore[union-attr]
+                           .group(1).replace("'", '"'))
+    assert transport["pickled"] > 0 and transport["no_space"] > 0
+    assert "--shm-size" in done.stdout
+    assert re.search(r"cache refused: .*1\.00 GiB does not fit.*0\.0\d GiB free", done.stdout)
+
+
+# -- joins off the loop -------------------------------------------------------------------------
+
+
+async def test_pass_ends_and_aclose_never_block_the_event_loop(
+    local_paths: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    loop = asyncio.get_running_loop()
+    loop.set_debug(True)
+    loop.slow_callback_duration = 0.5
+    caplog.set_level(logging.WARNING, logger="asyncio")
+    try:
+        for persistent in (False, True):
+            loader = aioloader.Loader(aioloader.Files(local_paths), decode=slow_index,
+                                      batch_size=4, persistent_workers=persistent)
+            for _ in range(2):
+                async for _ in loader:
+                    break
+                await asyncio.sleep(0.1)
+            _ = [b async for b in loader]
+            await loader.aclose()
+    finally:
+        loop.set_debug(False)
+    slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert not slow, slow
