@@ -100,11 +100,15 @@ def test_disk_cache_serves_epoch_two_and_evicts_least_recently_used(
     second = [b.tolist() for b in loader]
     assert faulty_server.stats()["requests"] == requests  # epoch 2 came from disk
     assert first == second and loader.stats.cache["disk_hits"] == 40
+    from aioloader.storage._diskcache import DiskCache
+
+    limit = DiskCache(tmp_path / "empty").size + 8192  # the index, and room for some samples
     small = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=8,
-                             cache_dir=tmp_path / "small", cache_limit=2000, num_workers=0)
+                             cache_dir=tmp_path / "small", cache_limit=limit, num_workers=0)
     list(small)
-    kept = list((tmp_path / "small").iterdir())
-    assert 0 < len(kept) < 40 and sum(p.stat().st_size for p in kept) <= 2000
+    kept = small.disk_cache
+    assert kept is not None and 0 < len(kept) < 40 and kept.size <= limit
+    assert kept.get(urls[-1], None, None) and kept.get(urls[0], None, None) is None
 
 
 def named_segments(name: str) -> set[str]:

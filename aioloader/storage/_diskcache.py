@@ -1,75 +1,188 @@
 """Remote bytes kept on local disk, least recently used evicted first, so that epoch 2 of a
-remote dataset reads from disk."""
+remote dataset reads from disk.
+
+The index is diskcache's SQLite database, so any number of processes and threads may share a
+folder: a read sees a whole value or none, and eviction and size are counted in one place for
+all of them. Values under 32 KiB live in the database, larger ones in files it names. A
+process killed while writing leaves at most a value file that no row names yet; the next
+DiskCache removes it once it is older than a live writer's could be.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import io
 import os
-import tempfile
-from collections import OrderedDict
+import re
+import sqlite3
+import threading
+import time
+import warnings
 from pathlib import Path
+from typing import Any
+
+import diskcache
+from diskcache.core import DBNAME, UNKNOWN
 
 DEFAULT_LIMIT = 10 << 30
+DEBRIS_AGE = 600.0
+"""Seconds after which a value file that no row names is a crashed writer's: a live writer
+names its file at most diskcache's 60 s lock timeout after writing its last byte."""
+_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+_VALUE_FILE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")
+_OLD_FILE = re.compile(r"[0-9a-f]{64}|\.incoming-[^/]*")
+"""The files of this cache before it had an index: nothing reads them any more."""
+
+
+class _Disk(diskcache.Disk):  # type: ignore[misc]
+    """diskcache's value files, written in large chunks (not line by line) and removed again
+    when their row never comes: a failed write must not leave a file nobody counts."""
+
+    def __init__(self, directory: str, **settings: Any) -> None:
+        super().__init__(directory, **settings)
+        self._new = threading.local()
+
+    def filename(self, key: Any = UNKNOWN, value: Any = UNKNOWN) -> tuple[str, str]:
+        name, full_path = super().filename(key, value)
+        self._new.path = full_path
+        return name, full_path
+
+    def store(self, value: Any, read: bool, key: Any = UNKNOWN) -> Any:
+        self._new.path = None
+        if type(value) is bytes and len(value) >= self.min_file_size:
+            value, read = io.BytesIO(value), True
+        try:
+            return super().store(value, read, key=key)
+        except BaseException:
+            self.discard_new()
+            raise
+
+    def discard_new(self) -> None:
+        """Remove the file this thread's last store wrote: its row was not written."""
+        path, self._new.path = getattr(self._new, "path", None), None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 class DiskCache:
-    """Files named by a hash of (URL, range) in `directory`, at most `limit` bytes in all.
+    """At most `limit` bytes (index included) of remote bytes in `directory`, by (URL, start,
+    end); any number of processes and threads may share the folder.
 
-    Several processes may share a directory: files appear by rename, so a reader never sees a
-    half-written one, and a file another process evicted is simply a miss.
+    A cache error (a full disk, a locked or unreadable index) is counted, warned about once and
+    never raised: a failed read is a miss, a failed write loses only the copy, and an index
+    that cannot be opened (that needs a write too) leaves every read to the network.
     """
 
     def __init__(self, directory: str | os.PathLike[str], limit: int = DEFAULT_LIMIT) -> None:
         if limit <= 0:
             raise ValueError(f"cache_limit must be a positive number of bytes, got {limit}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.limit = limit
-        entries = sorted(
-            (entry.stat().st_mtime, entry.name, entry.stat().st_size)
-            for entry in os.scandir(self.directory)
-            if entry.is_file() and not entry.name.startswith(".")
-        )
-        self._sizes: OrderedDict[str, int] = OrderedDict((name, size) for _, name, size in entries)
-        self.size = sum(self._sizes.values())
-        self.hits = self.misses = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.read_errors = self.write_errors = 0
+        self._warned: set[str] = set()
+        self.size = 0
+        self._cache: diskcache.Cache | None = None
+        try:
+            self._cache = diskcache.Cache(  # the write-ahead log shrinks back after a burst
+                str(self.directory), size_limit=limit, eviction_policy="least-recently-used",
+                disk=_Disk, sqlite_journal_size_limit=4 << 20,
+            )
+            self.size = self._cache.volume()
+            remove_debris(self.directory)
+        except _ERRORS as error:
+            self._failed("write", error)
+
+    def __len__(self) -> int:
+        return 0 if self._cache is None else len(self._cache)
 
     def report(self) -> dict[str, float]:
-        """Hits, misses and size, for loader.stats."""
+        """Hits, misses, size and failures, for loader.stats."""
         return {"disk_hits": self.hits, "disk_misses": self.misses,
-                "disk_gib": round(self.size / (1 << 30), 4)}
+                "disk_gib": round(self.size / (1 << 30), 4),
+                "disk_read_errors": self.read_errors, "disk_write_errors": self.write_errors}
 
-    def path(self, url: str, start: int | None, end: int | None) -> Path:
-        key = f"{url}\0{start}\0{end}".encode()
-        return self.directory / hashlib.sha256(key).hexdigest()
-
-    def get(self, path: Path) -> bytes | None:
+    def get(self, url: str, start: int | None, end: int | None) -> bytes | None:
         """The cached bytes, or None; a hit becomes the most recently used."""
+        data: bytes | None = None
         try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            self.misses += 1
-            self._sizes.pop(path.name, None)
-            return None
-        self.hits += 1
-        self._sizes.move_to_end(path.name)
-        with contextlib.suppress(OSError):
-            os.utime(path)
+            if self._cache is not None:
+                data = self._cache.get(_key(url, start, end))
+        except _ERRORS as error:
+            self._failed("read", error)
+            data = None
+        with self._lock:
+            if data is None:
+                self.misses += 1
+            else:
+                self.hits += 1
         return data
 
-    def put(self, path: Path, data: bytes) -> None:
-        """Keep `data`, evicting the least recently used files to stay under the limit."""
-        if len(data) > self.limit:
+    def put(self, url: str, start: int | None, end: int | None, data: bytes) -> None:
+        """Keep `data`, evicting the least recently used to stay under the limit."""
+        if len(data) > self.limit or self._cache is None:
             return
-        descriptor, temporary = tempfile.mkstemp(dir=self.directory, prefix=".incoming-")
-        with os.fdopen(descriptor, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-        self.size += len(data) - self._sizes.pop(path.name, 0)
-        self._sizes[path.name] = len(data)
-        while self.size > self.limit and self._sizes:
-            name, size = self._sizes.popitem(last=False)
-            self.size -= size
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.directory / name)
+        try:
+            self._cache.set(_key(url, start, end), data)
+        except _ERRORS as error:
+            self._cache.disk.discard_new()
+            self._failed("write", error)
+            return
+        try:
+            size = self._cache.volume()
+            if size > self.limit:  # diskcache evicts 10 entries a write: maybe not enough
+                self._cache.cull()
+                size = self._cache.volume()
+        except _ERRORS as error:
+            self._failed("write", error)
+            return
+        self.size = size
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        with self._lock:
+            if what == "read":
+                self.read_errors += 1
+            else:
+                self.write_errors += 1
+            first = what not in self._warned
+            self._warned.add(what)
+        if first:
+            warnings.warn(
+                f"disk cache {self.directory}: a {what} failed ({type(error).__name__}: "
+                f"{error}); reads go on from the network (said once, counted in "
+                f"stats.cache['disk_{what}_errors'])",
+                RuntimeWarning, stacklevel=3,
+            )
+
+
+def _key(url: str, start: int | None, end: int | None) -> str:
+    """(URL, start, end) as text, which diskcache stores as it is (a tuple it pickles, at a
+    third of the cost of a read); start and end hold no space, so no two triples share one."""
+    return f"{start} {end} {url}"
+
+
+def remove_debris(directory: Path, age: float = DEBRIS_AGE) -> None:
+    """Remove value files that no row names and nobody wrote for `age` seconds (left by a
+    process killed between writing a file and naming it), and files of the old format."""
+    old = time.time() - age
+    unnamed: list[str] = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            relative = os.path.relpath(path, directory).replace(os.sep, "/")
+            if _OLD_FILE.fullmatch(relative):
+                unnamed.append(relative)
+            elif _VALUE_FILE.fullmatch(relative):
+                with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
+                    if os.stat(path).st_mtime < old:
+                        unnamed.append(relative)
+    if not unnamed:
+        return
+    with contextlib.closing(sqlite3.connect(directory / DBNAME, timeout=60)) as index:
+        named = {row[0].replace(os.sep, "/") for row in index.execute(
+            "SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+    for relative in unnamed:
+        if relative not in named:
+            with contextlib.suppress(OSError):
+                os.remove(directory / relative)

@@ -127,13 +127,13 @@ class Storage(AsyncClosing):
     async def _read_through_disk(
         self, cache: DiskCache, url: str, start: int | None, end: int | None
     ) -> bytes:
-        """Remote bytes from the disk cache, or from the network and then into the cache."""
-        file = cache.path(url, start, end)
-        cached = await self._local.run(cache.get, file)
+        """Remote bytes from the disk cache, or from the network and then into the cache. The
+        cache's SQLite and file work blocks, so it runs on the file threads; it never raises."""
+        cached = await self._local.run(cache.get, url, start, end)
         if cached is not None:
             return cached
         data = await self._remote(url).read(url, start, end)
-        await self._local.run(cache.put, file, data)
+        await self._local.run(cache.put, url, start, end, data)
         return data
 
     @contextmanager
