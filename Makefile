@@ -1,22 +1,32 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Each builds .venv first.
+# Two commands on a fresh machine: `make demo` and `make test`. Both use .venv: the demo
+# installs only what it needs, the tests everything; each has its own stamp, in either order.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install --quiet
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: install system-deps demo test lint bench soak clean
 
-$(STAMP): pyproject.toml Makefile
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(PIP) --upgrade pip
+
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	# the local CPU build of torch first, so the torch extra resolves to it
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[image,torch,s3,dev]'
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[all,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+# the demo needs the core and Pillow: no torch, no development tools
+$(DEMO_STAMP): pyproject.toml Makefile | $(BIN)/python
+	$(PIP) -e '.[image]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/aioloader demo
 
 lint: $(STAMP)

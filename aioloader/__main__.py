@@ -1,3 +1,4 @@
 from ._tools.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

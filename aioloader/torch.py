@@ -10,8 +10,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
-import torch
-import torch.utils.data
+
+try:
+    import torch
+    import torch.utils.data
+except ImportError as e:
+    raise ImportError(
+        f"PyTorch is needed for aioloader.torch: pip install 'aioloader[torch]' ({e})"
+    ) from None
 
 from ._closing import Closing
 from ._loader import Loader

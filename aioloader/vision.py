@@ -48,7 +48,11 @@ IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
 def _pil() -> Any:
-    from PIL import Image as PILImage
+    try:
+        from PIL import Image as PILImage
+    except ImportError as e:
+        raise ImportError(f"Pillow is needed to decode and transform images: "
+                          f"pip install 'aioloader[image]' ({e})") from None
 
     return PILImage
 

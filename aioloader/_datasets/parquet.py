@@ -394,8 +394,13 @@ async def _load(reads: storage.Storage, url: str, columns: list[str] | None) -> 
 
 def _parse_footer(url: str, footer: bytes) -> Any:
     """pyarrow parses the metadata from a file made of the footer alone: no other read."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(
+            f"pyarrow is needed to read Parquet: pip install 'aioloader[parquet]' ({e})"
+        ) from None
 
     try:
         return pq.read_metadata(pa.BufferReader(_MAGIC + footer))

@@ -27,6 +27,8 @@ def bench(
     num_workers: int = 2,
     timeline: Path | None = None,
 ) -> Loader:
+    if timeline is not None:
+        _check_can_draw()  # before the run, not after it
     loader = Loader(dataset_for(urls), batch_size=batch_size, concurrency=concurrency,
                     num_workers=num_workers)
     with loader:
@@ -40,3 +42,11 @@ def bench(
     if timeline is not None:
         print(f"timeline: {loader.timeline(timeline)}")
     return loader
+
+
+def _check_can_draw() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"matplotlib is needed to draw the timeline: "
+                          f"pip install 'aioloader[plot]' ({e})") from None

@@ -2,16 +2,23 @@
 
 Worker processes resize and re-encode images when asked (plain copies stay in this process:
 that is I/O, and pickling would cost more than it saves); the main process writes records in
-input order, so the output is the same whatever the number of processes.
+the (seeded) order, so the output is the same whatever the number of processes. Records are
+shuffled by default, as im2rec does: a class-by-class file gives class-by-class batches to a
+reader that streams it in order. Files are written under temporary names and renamed once
+complete, so a failed or interrupted pack leaves no partial file under the final name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
+import os
+import random
+import signal
 import sys
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -27,6 +34,8 @@ def process_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
 
 
+FORMATS = {".rec": "rec", ".tar": "tar"}
+"""Output format by the suffix of the output name."""
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
@@ -50,7 +59,11 @@ def list_items(source: Path) -> list[Item]:
     or of an im2rec list file: `index<TAB>label[<TAB>label...]<TAB>path`, paths relative to it."""
     if source.is_file():
         items = []
-        for number, line in enumerate(source.read_text().splitlines(), 1):
+        try:
+            lines = source.read_text().splitlines()
+        except UnicodeDecodeError:
+            raise ValueError(f"{source} is not an im2rec .lst file (not text)") from None
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             fields = line.split("\t")
@@ -79,16 +92,29 @@ def load_image(job: tuple[Item, ImageOptions]) -> tuple[Item, bytes, str]:
     extension = item.path.suffix.lower().lstrip(".")
     if options.resize is None and options.quality is None:
         return item, data, extension
-    from PIL import Image
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError(f"Pillow is needed to resize or re-encode images: "
+                          f"pip install 'aioloader[image]' ({e})") from None
 
-    image = Image.open(io.BytesIO(data)).convert("RGB")
-    if options.resize is not None:
-        scale = options.resize / min(image.size)
-        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
-        image = image.resize(size, Image.Resampling.BILINEAR)
-    out = io.BytesIO()
-    image.save(out, format="JPEG", quality=options.quality or 95)
+    try:
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        if options.resize is not None:
+            scale = options.resize / min(image.size)
+            size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+            image = image.resize(size, Image.Resampling.BILINEAR)
+        out = io.BytesIO()
+        image.save(out, format="JPEG", quality=options.quality or 95)
+    except OSError as e:  # Pillow's errors for unreadable images name no file: name it
+        raise ValueError(f"{item.path}: {e}") from None
     return item, out.getvalue(), "jpg"
+
+
+def ignore_interrupt() -> None:
+    """Pool processes leave Ctrl-C to the main process, which stops them (else each prints a
+    KeyboardInterrupt traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _loaded(
@@ -103,18 +129,23 @@ def _loaded(
                 yield load_image(job)
                 progress.update()
             return
-        with process_context().Pool(processes) as pool:
+        with process_context().Pool(processes, initializer=ignore_interrupt) as pool:
             for loaded in pool.imap(load_image, jobs, chunksize=16):
                 yield loaded
                 progress.update()
 
 
 def pack_recordio(
-    source: Path, out: Path, options: ImageOptions = ImageOptions(), processes: int = 2
+    source: Path,
+    out: Path,
+    options: ImageOptions = ImageOptions(),
+    processes: int = 2,
+    shuffle: bool = True,
+    seed: int = 0,
 ) -> int:
-    """Write OUT.rec and OUT.idx (MXNet's layout: IRHeader + image, key = item index)."""
-    items = list_items(source)
-    with recordio.Writer(out, out.with_suffix(".idx")) as writer:
+    """Write OUT.rec and OUT.idx (MXNet's layout: IRHeader + image, id and key = item index)."""
+    items = _ordered_items(source, shuffle, seed)
+    with staged() as stage, recordio.Writer(stage(out), stage(out.with_suffix(".idx"))) as writer:
         for item, data, _ in _loaded(items, options, processes, f"packing {out.name}"):
             one_or_many = item.labels[0] if len(item.labels) == 1 else item.labels
             header = recordio.IRHeader(0, one_or_many, item.index, 0)
@@ -128,11 +159,13 @@ def pack_tar(
     options: ImageOptions = ImageOptions(),
     processes: int = 2,
     shard_bytes: int = 256 << 20,
+    shuffle: bool = True,
+    seed: int = 0,
 ) -> list[Path]:
     """Write WebDataset shards OUT-000000.tar, ... of about `shard_bytes` each: per sample
     `<index>.<ext>` with the image and `<index>.cls` with the label(s)."""
-    items = list_items(source)
-    with _ShardWriter(out, shard_bytes) as shards:
+    items = _ordered_items(source, shuffle, seed)
+    with staged() as stage, _ShardWriter(out, shard_bytes, stage) as shards:
         for item, data, extension in _loaded(items, options, processes, f"packing {out.name}"):
             key = f"{item.index:09d}"
             labels = " ".join(f"{x:g}" for x in item.labels).encode()
@@ -140,12 +173,43 @@ def pack_tar(
     return shards.paths
 
 
+def _ordered_items(source: Path, shuffle: bool, seed: int) -> list[Item]:
+    """The items in packing order; each keeps its index, so ids still name the source file."""
+    items = list_items(source)
+    if not items:
+        raise ValueError(f"no images in {source} (looked for {', '.join(sorted(IMAGE_SUFFIXES))})")
+    if shuffle:
+        random.Random(seed).shuffle(items)
+    return items
+
+
+@contextlib.contextmanager
+def staged() -> Iterator[Callable[[Path], Path]]:
+    """`stage(path)` gives a temporary name beside `path` to write to; when the block ends
+    they are all renamed to their final names, or removed if it raised (Ctrl-C included)."""
+    moves: list[tuple[Path, Path]] = []
+
+    def stage(final: Path) -> Path:
+        moves.append((final.with_name(f"{final.name}.partial-{os.getpid()}"), final))
+        return moves[-1][0]
+
+    try:
+        yield stage
+    except BaseException:
+        for temporary, _ in moves:
+            temporary.unlink(missing_ok=True)
+        raise
+    for temporary, final in moves:
+        os.replace(temporary, final)
+
+
 class _ShardWriter(Closing):
     """Tar shards named OUT-000000.tar, ...; a new one starts once `limit` bytes are written."""
 
-    def __init__(self, out: Path, limit: int) -> None:
+    def __init__(self, out: Path, limit: int, stage: Callable[[Path], Path]) -> None:
         self._out = out
         self._limit = limit
+        self._stage = stage
         self.paths: list[Path] = []
         self._file: BinaryIO | None = None
         self._tar: tarfile.TarFile | None = None
@@ -162,7 +226,7 @@ class _ShardWriter(Closing):
     def _start_shard(self) -> None:
         self.close()
         self.paths.append(self._out.with_name(f"{self._out.stem}-{len(self.paths):06d}.tar"))
-        self._file = self.paths[-1].open("wb")
+        self._file = self._stage(self.paths[-1]).open("wb")
         self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.GNU_FORMAT)  # noqa: SIM115 (closed by close())
 
     def close(self) -> None:

@@ -5,20 +5,26 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from .. import recordio
 from .._datasets import RecordIO, TarShards
+from .._errors import FetchError
 from .._loader import Loader
+from ..storage._storage import local_path
 
 
-def summarize(path: Path, first: int = 5) -> str:
-    if path.suffix == ".tar":
-        return _summarize_tar(path, first)
-    index = path.with_suffix(".idx")
-    dataset = RecordIO(str(path), str(index) if index.exists() else None)
-    lines = [f"{path}: RecordIO, {'index ' + index.name if index.exists() else 'no index'}"]
+def summarize(url: str, first: int = 5) -> str:
+    """`url`: a local path, file://, http(s):// or s3:// URL of a .rec or a .tar."""
+    suffix = Path(urlsplit(url).path).suffix.lower()
+    if suffix == ".tar":
+        return _summarize_tar(url, first)
+    if suffix != ".rec":
+        raise ValueError(f"cannot tell the format of {url}: inspect reads .rec and .tar files")
+    dataset, index = _open_recordio(url)
+    lines = [f"{url}: RecordIO, {'index ' + index if index else 'no index'}"]
     sizes, labels, heads = [], Counter[str](), []
     for n, record in enumerate(Loader(dataset, batch_size=None, num_workers=0, concurrency=256)):
         sizes.append(len(record))
@@ -33,10 +39,24 @@ def summarize(path: Path, first: int = 5) -> str:
     return "\n".join(lines)
 
 
-def _summarize_tar(path: Path, first: int) -> str:
-    lines = [f"{path}: WebDataset tar shard"]
+def _open_recordio(url: str) -> tuple[RecordIO, str | None]:
+    """The dataset, with the .idx beside the .rec when there is one (else it is scanned)."""
+    index = url[: -len(".rec")] + ".idx" if url.endswith(".rec") else None  # not with ?query
+    local = None if index is None else local_path(index)
+    if index is None or (local is not None and not Path(local).exists()):
+        return RecordIO(url), None
+    try:
+        return RecordIO(url, index), index
+    except FetchError as e:
+        if e.url != index or e.status != 404:
+            raise
+    return RecordIO(url), None
+
+
+def _summarize_tar(url: str, first: int) -> str:
+    lines = [f"{url}: WebDataset tar shard"]
     sizes, labels, extensions, heads = [], Counter[str](), Counter[str](), []
-    samples = Loader(TarShards(str(path)), batch_size=None, num_workers=0)
+    samples = Loader(TarShards(url), batch_size=None, num_workers=0)
     for n, sample in enumerate(samples):
         parts = {k: len(v) for k, v in sample.items() if not k.startswith("__")}
         sizes.append(sum(parts.values()))

@@ -14,7 +14,11 @@ LABELS = {"fetch": "reading a sample", "decode": "decoding a sample",
 
 
 def draw(events: Iterable[Event], path: str | Path, title: str = "") -> Path:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(f"matplotlib is needed to draw the timeline: "
+                          f"pip install 'aioloader[plot]' ({e})") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -34,9 +34,9 @@ def split(url: str) -> tuple[str, str]:
 def import_obstore() -> Any:
     try:
         import obstore
-    except ImportError:
+    except ImportError as e:
         raise ImportError(
-            "s3:// URLs need obstore: pip install 'aioloader[s3]'"
+            f"obstore is needed for s3:// URLs: pip install 'aioloader[s3]' ({e})"
         ) from None
     return obstore
 
