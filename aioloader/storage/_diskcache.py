@@ -1,5 +1,9 @@
-"""Remote bytes kept on local disk, least recently used evicted first, so that epoch 2 of a
+"""Remote bytes kept on local disk, the oldest written evicted first, so that epoch 2 of a
 remote dataset reads from disk.
+
+Oldest-written rather than least-recently-used: an epoch reads every sample once, so the two
+evict alike, and least-recently-used makes every hit a write to the shared index (a hit costs
+four to five times more, and processes queue for SQLite's one writer).
 
 The index is diskcache's SQLite database, so any number of processes and threads may share a
 folder: a read sees a whole value or none, and eviction and size are counted in one place for
@@ -86,7 +90,7 @@ class DiskCache:
         self._cache: diskcache.Cache | None = None
         try:
             self._cache = diskcache.Cache(  # the write-ahead log shrinks back after a burst
-                str(self.directory), size_limit=limit, eviction_policy="least-recently-used",
+                str(self.directory), size_limit=limit, eviction_policy="least-recently-stored",
                 disk=_Disk, sqlite_journal_size_limit=4 << 20,
             )
             self.size = self._cache.volume()
@@ -104,7 +108,7 @@ class DiskCache:
                 "disk_read_errors": self.read_errors, "disk_write_errors": self.write_errors}
 
     def get(self, url: str, start: int | None, end: int | None) -> bytes | None:
-        """The cached bytes, or None; a hit becomes the most recently used."""
+        """The cached bytes, or None."""
         data: bytes | None = None
         try:
             if self._cache is not None:
@@ -120,7 +124,7 @@ class DiskCache:
         return data
 
     def put(self, url: str, start: int | None, end: int | None, data: bytes) -> None:
-        """Keep `data`, evicting the least recently used to stay under the limit."""
+        """Keep `data`, evicting the oldest written to stay under the limit."""
         if len(data) > self.limit or self._cache is None:
             return
         try:
