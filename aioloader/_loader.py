@@ -47,6 +47,7 @@ from ._sampling import (
 from ._stats import LoaderStats
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._diskcache import DiskCache
+from .storage._hedge import Hedger
 from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
 from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
 from .storage._storage import Storage
@@ -107,6 +108,9 @@ class Loader(Closing, AsyncClosing):
         max_object_bytes: the most one read may return (2 GiB); a larger object, or a body
             that runs on, raises FetchError without retrying. Streams hold a chunk at a time
             and are not bound by it.
+        hedge: when a remote read has taken longer than 97% of recent reads, send a second
+            request for the same bytes and take the first answer; at most 5% more requests.
+            One slow answer in a hundred then stops costing a second of the epoch.
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class Loader(Closing, AsyncClosing):
         max_worker_restarts: int = 3,
         memory_limit: int | None = None,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+        hedge: bool = True,
     ) -> None:
         if not isinstance(dataset, Stream) and not (
             hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
@@ -159,7 +164,7 @@ class Loader(Closing, AsyncClosing):
         _check_count("max_worker_restarts", max_worker_restarts, minimum=0)
         for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("ordered", ordered),
                            ("persistent_workers", persistent_workers),
-                           ("shared_memory", shared_memory)):
+                           ("shared_memory", shared_memory), ("hedge", hedge)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name} must be True or False, got {flag!r}")
         _check_seconds("decode_timeout", decode_timeout, allow_none=True)
@@ -208,7 +213,10 @@ class Loader(Closing, AsyncClosing):
         self.max_worker_restarts = max_worker_restarts
         self.memory_limit = DEFAULT_MEMORY_LIMIT if memory_limit is None else memory_limit
         self.max_object_bytes = max_object_bytes
+        self.hedge = bool(hedge)
         self.stats = LoaderStats()
+        self._hedger = Hedger(self.stats.storage) if hedge else None
+        """Kept from pass to pass: what it learnt of read times is valid in the next epoch."""
         self.cache = cache
         self.disk_cache = None if cache_dir is None else DiskCache(cache_dir, cache_limit)
         self.stats.cache_reports = [c.report for c in (cache, self.disk_cache) if c is not None]
@@ -361,7 +369,7 @@ class Loader(Closing, AsyncClosing):
         reads = autotune.ReadLimit(self.concurrency)
         connections = autotune.HIGHEST if self.auto_concurrency else self.concurrency
         storage = Storage(connections, self.retries, self.timeout, stats.storage,
-                          self.disk_cache, self.max_object_bytes)
+                          self.disk_cache, self.max_object_bytes, self._hedger or False)
         source: PlannedSource | StreamSource
         if isinstance(self.dataset, Stream):
             source = StreamSource(

@@ -105,6 +105,11 @@ class LoaderStats:
     def bytes_read(self) -> int:
         return self.storage.bytes_read
 
+    @property
+    def hedges(self) -> int:
+        """Second requests sent for slow reads; `storage.hedge_wins` of them answered first."""
+        return self.storage.hedges
+
     def record_skip(self, reason: str) -> None:
         self.skipped += 1
         self.skip_reasons.append(reason)

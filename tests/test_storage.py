@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from aioloader import FetchError, storage
 from aioloader.storage._storage import Storage, check_url
 from aioloader.testing import TestServer
 
-from decoders import sample_bytes
+from decoders import SAMPLE_COUNT, sample_bytes
 
 
 async def test_local_path_and_file_url_reads(sample_dir: Path) -> None:
@@ -50,7 +51,7 @@ async def test_faults_are_retried_until_every_read_succeeds(
     faulty_server: TestServer, fault: dict[str, float]
 ) -> None:
     faulty_server.set_faults(**fault)
-    async with Storage(concurrency=16) as reads:
+    async with Storage(concurrency=16, hedge=False) as reads:  # one request per attempt
         for i in range(60):
             assert await reads.read(f"{faulty_server.url}{i:04d}.bin") == sample_bytes(i)
     counts = faulty_server.stats()
@@ -105,3 +106,23 @@ async def test_max_object_bytes_admits_an_object_of_exactly_that_size(server: Te
 def test_max_object_bytes_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_object_bytes must be 1 or more"):
         Storage(max_object_bytes=0)
+
+
+async def test_slow_reads_are_hedged_within_the_budget(faulty_server: TestServer) -> None:
+    faulty_server.set_faults(latency_ms=5, stall_rate=0.02, stall_seconds=3)
+    urls = [f"{faulty_server.url}{i % SAMPLE_COUNT:04d}.bin" for i in range(400)]
+    slots = asyncio.Semaphore(32)
+
+    async def read(reads: Storage, url: str) -> bytes:
+        async with slots:
+            return await reads.read(url)
+
+    async with Storage(concurrency=32, timeout=60) as reads:
+        got = await asyncio.gather(*(read(reads, u) for u in urls))
+    assert got == [sample_bytes(i % SAMPLE_COUNT) for i in range(400)]
+    counters = reads.counters
+    assert counters.hedge_wins > 0  # stalled reads were answered by their hedge
+    assert counters.hedges <= 0.05 * len(urls) + 8  # the budget, plus the burst
+    async with Storage(concurrency=32, timeout=60, hedge=False) as plain:
+        await asyncio.gather(*(read(plain, u) for u in urls[:50]))
+    assert plain.counters.hedges == 0

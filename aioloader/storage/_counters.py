@@ -15,3 +15,7 @@ class StorageCounters:
     ranges_ignored: int = 0
     """Range requests a server answered with the whole object (200): each read downloaded
     the object up to the range's end."""
+    hedges: int = 0
+    """Second requests sent for slow reads (at most a budgeted share of reads)."""
+    hedge_wins: int = 0
+    """Hedges that answered before the read they hedged."""

@@ -16,6 +16,7 @@ from .._closing import AsyncClosing
 from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
+from ._hedge import HEDGE_CONNECTIONS, Hedger
 from ._http import HttpStore
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore
@@ -62,9 +63,12 @@ class Storage(AsyncClosing):
         counters: StorageCounters | None = None,
         disk_cache: DiskCache | None = None,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
+        hedge: bool | Hedger = True,
     ) -> None:
         """`max_object_bytes` bounds what one remote read or stream returns, so a server that
-        sends without end (or announces 100 GB) gets a FetchError, not all of the memory."""
+        sends without end (or announces 100 GB) gets a FetchError, not all of the memory.
+        `hedge` sends a second request for a remote read slower than most (see `_hedge`); a
+        Hedger given here keeps what it learnt of read times from one storage to the next."""
         if max_object_bytes < 1:
             raise ValueError(f"max_object_bytes must be 1 or more, got {max_object_bytes}")
         self.counters = counters if counters is not None else StorageCounters()
@@ -72,9 +76,13 @@ class Storage(AsyncClosing):
         self._local = LocalStore(max_threads=min(32, concurrency))
         self._policy = RetryPolicy(retries, timeout)
         self._max_object_bytes = max_object_bytes
-        self._http = HttpStore(concurrency, self._policy, self.counters, max_object_bytes)
+        # room beyond the reads in flight for their hedges, which must not queue behind them
+        connections = concurrency + (HEDGE_CONNECTIONS if hedge is not False else 0)
+        self._http = HttpStore(connections, self._policy, self.counters, max_object_bytes)
         self._s3: S3Store | None = None
         self._coalescer = RangeCoalescer(self._read)
+        self._hedger = hedge if isinstance(hedge, Hedger) else (
+            Hedger(self.counters) if hedge else None)
 
     def _remote(self, url: str) -> HttpStore | S3Store:
         """The store for a remote URL: S3 (made on first use: it needs obstore) or HTTP."""
@@ -117,7 +125,7 @@ class Storage(AsyncClosing):
         if path is None and self._disk_cache is not None:
             data = await self._read_through_disk(self._disk_cache, url, start, end)
         elif path is None:
-            data = await self._remote(url).read(url, start, end)
+            data = await self._read_remote(url, start, end)
         else:
             data = await self._local.read(path, start, end)
             self.counters.requests += 1
@@ -132,9 +140,15 @@ class Storage(AsyncClosing):
         cached = await self._local.run(cache.get, url, start, end)
         if cached is not None:
             return cached
-        data = await self._remote(url).read(url, start, end)
+        data = await self._read_remote(url, start, end)
         await self._local.run(cache.put, url, start, end, data)
         return data
+
+    async def _read_remote(self, url: str, start: int | None, end: int | None) -> bytes:
+        store = self._remote(url)
+        if self._hedger is None:
+            return await store.read(url, start, end)
+        return await self._hedger.read(lambda: store.read(url, start, end))
 
     @contextmanager
     def as_current(self) -> Iterator[Storage]:
