@@ -16,6 +16,7 @@ from ._datasets import (
     Stream,
     StreamBatches,
     TarShards,
+    from_torch,
 )
 from ._errors import (
     DecodeTimeoutError,
@@ -53,6 +54,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerInfo",
     "default_collate",
+    "from_torch",
     "get_shard_info",
     "get_worker_info",
     "storage",

@@ -13,7 +13,8 @@ Allocate = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) -> Any:
     """Stack arrays and scalars along a new first axis, recursing into dicts and sequences.
 
-    numpy arrays -> np.stack; bool, int, float (Python or numpy scalars) -> a 1-d array
+    numpy arrays (and array-likes such as torch tensors) -> np.stack; bool, int, float (Python
+    or numpy scalars) -> a 1-d array
     (int64 and float64 for Python numbers, as torch does); str and bytes -> a list, as torch does;
     dicts -> a dict of collated values; tuples, namedtuples and lists -> the same type of
     collated fields. Samples must share one structure. `allocate(shape, dtype)`, when given,
@@ -37,6 +38,9 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
         return out
     if isinstance(first, (str, bytes)):
         return list(samples)
+    if hasattr(first, "__array__") and not isinstance(first, (Mapping, tuple, list)):
+        # torch tensors and other array-likes: as arrays (CPU tensors without a copy)
+        return default_collate([np.asarray(s) for s in samples], allocate)
 
     def collate(part: Sequence[Any]) -> Any:
         return default_collate(part, allocate)

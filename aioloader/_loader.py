@@ -221,8 +221,11 @@ class Loader(Closing, AsyncClosing):
         self.disk_cache = None if cache_dir is None else DiskCache(cache_dir, cache_limit)
         self.stats.cache_reports = [c.report for c in (cache, self.disk_cache) if c is not None]
         self.executor = executor
+        load, threads = (None, 1) if isinstance(dataset, Stream) else (
+            dataset.load_in_workers() or (None, 1))
         self._spec = DecodeSpec(
-            decode, collate if batch_size else None, on_error == "skip", seed, augment, cache
+            decode, collate if batch_size else None, on_error == "skip", seed, augment, cache,
+            load, threads,
         )
         self._worker_init = worker_init
         if num_workers and executor is None:

@@ -6,6 +6,7 @@ from .parquet import Parquet, ParquetError
 from .recordio import RecordIO
 from .streambatches import StreamBatches
 from .tarshards import TarShards
+from .torchmap import from_torch
 
 __all__ = [
     "Dataset",
@@ -16,4 +17,5 @@ __all__ = [
     "Stream",
     "StreamBatches",
     "TarShards",
+    "from_torch",
 ]

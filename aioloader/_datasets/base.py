@@ -37,6 +37,12 @@ class Dataset(abc.ABC):
         """The raw items at `indices`, in order; used when `batched_fetch` is True."""
         return [await self.fetch(index) for index in indices]
 
+    def load_in_workers(self) -> tuple[Callable[[Any], Any], int] | None:
+        """For datasets read inside the decode processes (`from_torch`): the function that
+        turns what `fetch` gives into the sample there, and how many run at once on threads
+        (so blocking reads overlap). None: `fetch` gives the raw item itself."""
+        return None
+
     def key(self, index: int) -> str:
         """A name for the sample at `index`, used in error messages."""
         return str(index)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,10 +15,20 @@ from .keys import KeyTable
 
 
 class Files(Dataset):
-    """`fetch(i)` gives the bytes of the i-th object, or `(bytes, label)` when labels are given."""
+    """`fetch(i)` gives the bytes of the i-th object, or `(bytes, label)` when labels are given.
+
+    When every object is a local file, a chunk of samples is read in one trip to a file thread
+    (`batched_fetch`), not a task each."""
 
     def __init__(self, urls_or_paths: Iterable[str], labels: Iterable[Any] | None = None) -> None:
-        self._urls = KeyTable(storage.check_url(str(u)) for u in urls_or_paths)
+        if isinstance(urls_or_paths, (str, bytes, os.PathLike)):
+            raise TypeError(
+                f"Files takes a list of URLs or paths, got one: Files([{str(urls_or_paths)!r}]). "
+                "For a folder of images, aioloader.vision.image_loader(folder) reads it."
+            )
+        urls = [storage.check_url(str(u)) for u in urls_or_paths]
+        self.batched_fetch = all(storage.local_path(u) is not None for u in urls)
+        self._urls = KeyTable(urls)
         self._labels: npt.NDArray[Any] | None = None
         if labels is not None:
             self._labels = np.asarray(list(labels) if not hasattr(labels, "__len__") else labels)
@@ -46,3 +57,10 @@ class Files(Dataset):
         if self._labels is None:
             return data
         return data, self._labels[index].item()
+
+    async def fetch_many(self, indices: Sequence[int]) -> list[Any]:
+        async with storage.borrowed() as reads:
+            data = await reads.read_many([self._urls[i] for i in indices])
+        if self._labels is None:
+            return data
+        return [(d, self._labels[i].item()) for d, i in zip(data, indices, strict=True)]

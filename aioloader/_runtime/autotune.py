@@ -32,6 +32,13 @@ class ReadLimit:
         self.full_seconds = 0.0
         self._waiters: deque[asyncio.Future[None]] = deque()
 
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free, without awaiting (the common case, made cheap)."""
+        if self.in_use >= self.limit:
+            return False
+        self._taken()
+        return True
+
     async def acquire(self) -> None:
         while self.in_use >= self.limit:
             waiter = asyncio.get_running_loop().create_future()
@@ -40,6 +47,9 @@ class ReadLimit:
                 await waiter
             finally:
                 self._waiters.remove(waiter)
+        self._taken()
+
+    def _taken(self) -> None:
         self.in_use += 1
         if self.in_use >= self.limit and self.busy_since is None:
             self.busy_since = now()

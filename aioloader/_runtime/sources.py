@@ -132,14 +132,16 @@ class PlannedSource:
 
     async def _read(self, pending: Pending, work: Work) -> None:
         if self.dataset.batched_fetch:
-            await self._reads.acquire()
+            if not self._reads.try_acquire():
+                await self._reads.acquire()
             self._start(self._fetch_many(pending, work))
             return
         for position, index in enumerate(pending.indices):
             if self._cache is not None and self._cache.lookup(index):
                 self._arrived(pending, position, CACHED, work)
                 continue
-            await self._reads.acquire()
+            if not self._reads.try_acquire():
+                await self._reads.acquire()
             self._start(self._fetch_one(pending, position, work))
 
     def _start(self, coroutine: Any) -> None:

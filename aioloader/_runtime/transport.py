@@ -196,12 +196,12 @@ class BlockPool:
             return Slot(name, 0)
 
     def release(self, name: str) -> None:
-        """The task is over (its process did not create a fresh block) or the views are gone:
-        the block is free again."""
+        """The task is over or the views are gone: the block (or the fresh name its process
+        did not use, for a result too small to share) is free again."""
         with self._lock:
             if name not in self._sizes:
                 return
-            if name not in self._maps or self._closed:
+            if self._closed:
                 self._remove(name)
             elif name not in self._free:
                 self._free.append(name)

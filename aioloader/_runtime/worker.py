@@ -18,6 +18,7 @@ import socket
 import sys
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,10 @@ class DecodeSpec:
     augment: Callable[..., Any] | None = None
     """The random step after a cached decode: augment(value) or augment(value, rng)."""
     cache: SharedCache | None = None
+    load: Callable[[Any], Any] | None = None
+    """Run on each raw item before decode, in this process: datasets read here (from_torch)."""
+    threads: int = 1
+    """Samples of a chunk loaded and decoded at once: blocking reads in `load` overlap."""
     wants_rng: bool = field(init=False)
     augment_wants_rng: bool = field(init=False)
 
@@ -99,6 +104,8 @@ class DecodeSpec:
             assert self.cache is not None
             value = self.cache.get(index)
         else:
+            if self.load is not None:
+                raw = self.load(raw)
             if self.decode is None:
                 value = raw
             elif self.wants_rng:
@@ -158,17 +165,16 @@ def run_chunk(
     info = _worker_info
     result = ChunkResult([], [], process="inline" if info is None else f"decode {info.id}")
     samples: list[Any] = []
-    for position, (index, raw) in enumerate(zip(chunk.indices, chunk.raws, strict=True)):
-        started = now()
-        try:
-            samples.append(spec.sample(chunk.epoch, index, raw))
-        except Exception as e:
+    for position, outcome in enumerate(_outcomes(spec, chunk)):
+        if isinstance(outcome, _Failure):
             if not spec.skip_errors:
-                result.failure = (index, one_line(e), traceback.format_exc())
+                result.failure = (chunk.indices[position], outcome.reason, outcome.traceback)
                 return result
-            result.skipped.append((position, one_line(e)))
+            result.skipped.append((position, outcome.reason))
             continue
-        result.timings.append((started, now()))
+        sample, started, ended = outcome
+        samples.append(sample)
+        result.timings.append((started, ended))
     if spec.collate is None or not samples:
         result.items = samples
         return result
@@ -183,6 +189,60 @@ def run_chunk(
     except Exception as e:
         result.failure = (None, one_line(e), traceback.format_exc())
     return result
+
+
+@dataclass(frozen=True)
+class _Failure:
+    reason: str
+    traceback: str
+
+
+def _one(spec: DecodeSpec, epoch: int, index: int, raw: Any) -> tuple[Any, float, float] | _Failure:
+    started = now()
+    try:
+        sample = spec.sample(epoch, index, raw)
+    except Exception as e:
+        return _Failure(one_line(e), traceback.format_exc())
+    return sample, started, now()
+
+
+_threads: ThreadPoolExecutor | None = None
+"""A decode process's threads for `spec.threads` (one spec per process: made once)."""
+_cheap: bool | None = None
+"""Whether this process's samples take so little time that threads would only add switching:
+decided on the first ones (CHEAP_SECONDS each, on average)."""
+CHEAP_SECONDS = 0.001
+TRIAL = 4
+
+
+def _outcomes(spec: DecodeSpec, chunk: Chunk) -> list[tuple[Any, float, float] | _Failure]:
+    """Each sample of the chunk, or why it failed; on `spec.threads` threads when more than
+    one and samples are not cheap, so that blocking reads in `load` overlap (results keep the
+    chunk's order)."""
+    global _cheap
+    jobs = list(zip(chunk.indices, chunk.raws, strict=True))
+
+    def run(job: tuple[int, Any]) -> tuple[Any, float, float] | _Failure:
+        return _one(spec, chunk.epoch, *job)
+
+    if spec.threads <= 1 or len(jobs) <= 1 or _cheap:
+        return [run(job) for job in jobs]
+    if _worker_info is None:  # inline (num_workers=0): no thread outlives the chunk
+        with ThreadPoolExecutor(spec.threads, thread_name_prefix="aioloader-load") as inline:
+            return list(inline.map(run, jobs))
+    done: list[tuple[Any, float, float] | _Failure] = []
+    if _cheap is None:
+        started = now()
+        done = [run(job) for job in jobs[:TRIAL]]
+        _cheap = (now() - started) / len(done) < CHEAP_SECONDS
+        jobs = jobs[len(done):]
+        if _cheap:
+            return done + [run(job) for job in jobs]
+
+    global _threads
+    if _threads is None:
+        _threads = ThreadPoolExecutor(spec.threads, thread_name_prefix="aioloader-load")
+    return done + list(_threads.map(run, jobs))
 
 
 def respond(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:

@@ -1,0 +1,116 @@
+"""`aioloader.from_torch`: a map-style PyTorch Dataset whose `__getitem__` runs in the decode
+processes, on threads, giving the batches DataLoader gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader.testing import TestServer
+
+from decoders import SAMPLE_COUNT, index_of
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data import Dataset as TorchDataset  # noqa: E402
+
+from aioloader.torch import TorchLoader  # noqa: E402
+
+
+class Squares(TorchDataset):  # type: ignore[misc]
+    """What a PyTorch user has: tensors, numbers and dicts from __getitem__."""
+
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, index: int) -> dict[str, object]:
+        return {"x": torch.full((2, 3), float(index)), "y": index * index, "name": f"s{index}"}
+
+
+class Downloads(TorchDataset):  # type: ignore[misc]
+    """A blocking GET per item, as most DataLoader datasets for remote data do."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, index: int) -> int:
+        import urllib.request
+
+        with urllib.request.urlopen(self.urls[index], timeout=30) as response:
+            return index_of(response.read())
+
+
+class Broken(TorchDataset):  # type: ignore[misc]
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> int:
+        if index == 6:
+            raise KeyError("no sample six")
+        return index
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batches_equal_those_of_the_dataloader(num_workers: int) -> None:
+    reference = list(DataLoader(Squares(), batch_size=8, shuffle=False))
+    loader = aioloader.Loader(aioloader.from_torch(Squares(), io_threads=4), batch_size=8,
+                              num_workers=num_workers)
+    with TorchLoader(loader) as batches:
+        got = list(batches)
+    assert len(got) == len(reference)
+    for mine, theirs in zip(got, reference, strict=True):
+        assert torch.equal(mine["x"], theirs["x"]) and torch.equal(mine["y"], theirs["y"])
+        assert mine["name"] == theirs["name"]
+
+
+def test_getitem_reads_overlap_on_threads_in_the_decode_processes(
+    faulty_server: TestServer,
+) -> None:
+    server = faulty_server
+    server.set_faults(latency_ms=20)
+    urls = [f"{server.url}{i:04d}.bin" for i in range(SAMPLE_COUNT)]
+    loader = aioloader.Loader(aioloader.from_torch(Downloads(urls), io_threads=8), batch_size=10,
+                              num_workers=2)
+    with loader:
+        seen = [int(i) for batch in loader for i in batch]
+    assert seen == list(range(SAMPLE_COUNT))
+    assert server.stats()["max_in_flight"] > 2  # more than one read per process at once
+
+
+def test_cheap_getitems_run_in_line_and_still_give_every_sample(server: TestServer) -> None:
+    urls = [f"{server.url}{i:04d}.bin" for i in range(SAMPLE_COUNT)]  # answers at once
+    with aioloader.Loader(aioloader.from_torch(Downloads(urls)), batch_size=10) as loader:
+        assert [int(i) for batch in loader for i in batch] == list(range(SAMPLE_COUNT))
+
+
+def test_a_failing_getitem_names_the_sample() -> None:
+    loader = aioloader.Loader(aioloader.from_torch(Broken()), batch_size=4)
+    with pytest.raises(aioloader.SampleError, match=r"sample 6 \(key 'Broken\[6\]'\).*six"):
+        list(loader)
+
+
+def test_from_torch_refuses_what_is_not_map_style() -> None:
+    with pytest.raises(TypeError, match="map-style"):
+        aioloader.from_torch([x for x in range(3)].__iter__())
+    with pytest.raises(ValueError, match="io_threads"):
+        aioloader.from_torch(Squares(), io_threads=0)
+
+
+def test_files_given_one_string_suggests_a_list() -> None:
+    with pytest.raises(TypeError, match=r"Files\(\['a/path'\]\)"):
+        aioloader.Files("a/path")  # type: ignore[arg-type]
+
+
+def test_local_files_are_read_a_chunk_per_call(local_paths: list[str]) -> None:
+    files = aioloader.Files(local_paths, labels=range(SAMPLE_COUNT))
+    assert files.batched_fetch
+    with aioloader.Loader(files, batch_size=16) as loader:
+        raws, labels = zip(*[(r, lab) for b in loader for r, lab in zip(*b, strict=True)],
+                           strict=True)
+    assert [index_of(r) for r in raws] == list(range(SAMPLE_COUNT)) == [int(x) for x in labels]
+    assert not aioloader.Files(["http://127.0.0.1:1/x.bin"]).batched_fetch
+    assert np.asarray(labels).dtype.kind == "i"
