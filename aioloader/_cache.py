@@ -9,9 +9,10 @@ segments can share them.
 
 The cache holds data, never code: an entry is a JSON description of the value (arrays, numpy
 scalars, bytes, str, numbers, None, and lists, tuples and dicts of these) plus raw buffers, so
-reading a cache cannot run anything. Segments are used only after checking that they are this
-user's, with mode 0600; pages are reserved before they are written, so a full /dev/shm stops
-the caching instead of killing a process with SIGBUS.
+reading a cache cannot run anything; an entry that points outside its segment is a miss, one
+that does not parse a CorruptEntry error. Segments are used only after checking that they are
+this user's, with mode 0600; pages are reserved before they are written, so a full /dev/shm
+stops the caching instead of killing a process with SIGBUS.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ class Uncacheable(TypeError):
     """A value holds something the cache does not store (only data: arrays, numbers, text...)."""
 
 
+class CorruptEntry(ValueError):
+    """A cache entry that does not describe a value inside its segment."""
+
+
 def _describe(value: Any, buffers: list[memoryview]) -> Any:
     """A JSON-able description of `value`, its arrays and bytes appended to `buffers`."""
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -86,6 +91,8 @@ def _rebuild(description: Any, buffers: list[memoryview]) -> Any:
         return bytes(buffers[content])
     if kind in ("a", "g"):
         number, dtype, shape = content
+        if not isinstance(dtype, str) or np.dtype(dtype).hasobject:
+            raise ValueError(f"not a plain dtype: {dtype!r}")
         array: npt.NDArray[Any] = np.frombuffer(buffers[number], np.dtype(dtype)).reshape(shape)
         return array if kind == "a" else array[()]
     if kind in ("l", "t"):
@@ -94,6 +101,22 @@ def _rebuild(description: Any, buffers: list[memoryview]) -> Any:
     if kind == "d":
         return {k: _rebuild(v, buffers) for k, v in content}
     raise ValueError(f"unknown cache entry kind {kind!r}")
+
+
+def _read(memory: memoryview) -> Any:
+    """The value of one entry; its description and buffers must lie within `memory`."""
+    (size,) = _DESCRIPTION.unpack_from(memory, 0)
+    if not 0 <= size <= len(memory) - _DESCRIPTION.size:
+        raise ValueError(f"a description of {size} bytes in an entry of {len(memory)}")
+    entry = json.loads(bytes(memory[_DESCRIPTION.size : _DESCRIPTION.size + size]))
+    base = _aligned(_DESCRIPTION.size + size)
+    buffers = []
+    for start, length in entry["buffers"]:
+        if not (type(start) is int and type(length) is int
+                and start >= 0 and 0 <= length <= len(memory) - base - start):
+            raise ValueError(f"a buffer of {length} bytes at {start} is not in the entry")
+        buffers.append(memory[base + start : base + start + length])
+    return _rebuild(entry["value"], buffers)
 
 
 class SharedCache(Closing):
@@ -174,7 +197,9 @@ class SharedCache(Closing):
             alone = False
         try:
             if alone:
-                _remove_files(self.names)  # whatever is there belonged to no live process
+                for segment in self.names:  # another user's files under our names: refuse
+                    shm.refuse_foreign(segment)
+                _remove_files(self.names)  # ours, left by processes that are gone
                 self._create(capacity)
             fcntl.flock(members, fcntl.LOCK_SH)
             self._map()
@@ -198,6 +223,7 @@ class SharedCache(Closing):
         self._data_fd = shm.open_owned(self.names[1])
         self._index = mmap.mmap(self._index_fd, 0)
         self._data = mmap.mmap(self._data_fd, 0)
+        self.size_limit = len(self._data)  # a named cache has the size its maker gave it
 
     def __getstate__(self) -> dict[str, Any]:
         """Decode processes get the names and map the segments themselves."""
@@ -213,7 +239,12 @@ class SharedCache(Closing):
 
     @property
     def capacity(self) -> int:
-        return self._header()[0]
+        """Indices below this have an entry: the header's count, within the index segment."""
+        return min(self._header()[0], self._slots())
+
+    def _slots(self) -> int:
+        assert self._index is not None
+        return (len(self._index) - _HEADER.size) // _ENTRY.size
 
     def _header(self) -> tuple[int, int, int, int]:
         self._map()
@@ -222,13 +253,21 @@ class SharedCache(Closing):
         return capacity, used, entries, full
 
     def _entry(self, index: int) -> tuple[int, int]:
+        """(offset, length) of `index`'s value, (0, 0) if it has no entry."""
         assert self._index is not None
+        if not 0 <= index < self._slots():
+            return 0, 0
         offset, length = _ENTRY.unpack_from(self._index, _HEADER.size + _ENTRY.size * index)
         return offset, length
 
+    def _inside(self, offset: int, length: int) -> bool:
+        """Whether an entry lies in the data segment: one that does not is a miss."""
+        assert self._data is not None
+        return length > 0 and 0 <= offset <= len(self._data) - length
+
     def __contains__(self, index: int) -> bool:
         self._map()
-        return 0 <= index < self.capacity and self._entry(index)[1] > 0
+        return 0 <= index < self.capacity and self._inside(*self._entry(index))
 
     def lookup(self, index: int) -> bool:
         """Whether `index` is cached, counted as a hit or a miss (the loader asks this)."""
@@ -246,12 +285,16 @@ class SharedCache(Closing):
         if length <= 0:
             raise KeyError(index)
         assert self._data is not None
-        memory = memoryview(self._data).toreadonly()[offset : offset + length]
-        (size,) = _DESCRIPTION.unpack_from(memory, 0)
-        entry = json.loads(bytes(memory[_DESCRIPTION.size : _DESCRIPTION.size + size]))
-        base = _aligned(_DESCRIPTION.size + size)
-        buffers = [memory[base + start : base + start + n] for start, n in entry["buffers"]]
-        return _rebuild(entry["value"], buffers)
+        try:
+            if not self._inside(offset, length):
+                raise ValueError(f"{length} bytes at {offset} are not in the data segment")
+            return _read(memoryview(self._data).toreadonly()[offset : offset + length])
+        except (ValueError, TypeError, LookupError, AttributeError, RecursionError,
+                struct.error) as e:
+            raise CorruptEntry(
+                f"the cache entry of sample {index} is corrupt ({type(e).__name__}: {e}); "
+                "remove the cache's segments to start it afresh"
+            ) from None
 
     def put(self, index: int, value: Any) -> bool:
         """Store `value` for `index` unless it is there already, does not fit, or is not data;
@@ -301,7 +344,7 @@ class SharedCache(Closing):
             capacity, used, entries, full = _HEADER.unpack_from(self._index, 0)
             if self._entry(index)[1] != 0 or full:
                 return -1
-            if used + total > self.size_limit:
+            if not 0 <= used <= self.size_limit - total:  # full, or a corrupt header
                 _HEADER.pack_into(self._index, 0, capacity, used, entries, 1)
                 return -1
             try:
@@ -361,8 +404,12 @@ def _members_name(name: str) -> str:
 
 
 def _open_members(name: str) -> int:
-    descriptor = os.open(shm.path(_members_name(name)), os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW,
-                         0o600)
+    try:
+        descriptor = os.open(shm.path(_members_name(name)),
+                             os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        shm.refuse_foreign(_members_name(name))  # a symlink or another user's file: say so
+        raise
     try:
         shm.check_owned(descriptor, _members_name(name))
     except BaseException:

@@ -14,8 +14,9 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
     """Stack arrays and scalars along a new first axis, recursing into dicts and sequences.
 
     numpy arrays (and array-likes such as torch tensors) -> np.stack; bool, int, float (Python
-    or numpy scalars) -> a 1-d array
-    (int64 and float64 for Python numbers, as torch does); str and bytes -> a list, as torch does;
+    or numpy scalars) -> a 1-d array (int64 and float64 for Python numbers, as torch does;
+    mixed dtypes are promoted, never cast to the first sample's); str and bytes -> a list, as
+    torch does;
     dicts -> a dict of collated values; tuples, namedtuples and lists -> the same type of
     collated fields. Samples must share one structure. `allocate(shape, dtype)`, when given,
     provides the memory of each stacked array (the loader passes shared memory: one copy less).
@@ -30,6 +31,9 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
         return np.stack(samples, out=allocate((len(samples), *first.shape), first.dtype))
     scalar_type = _scalar_dtype(first)
     if scalar_type is not None:
+        types = {_scalar_dtype(s) for s in samples}
+        if len(types) > 1 and None not in types:  # promoted, as torch does: never truncated
+            scalar_type = np.result_type(*(t for t in types if t is not None))
         array = np.array(samples, dtype=scalar_type)
         if allocate is None:
             return array

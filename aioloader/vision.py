@@ -291,6 +291,7 @@ class _Labelled:
 
     pipeline: Compose
     source: str
+    label_dtype: str | None = None
 
     def __call__(self, raw: Any, rng: np.random.Generator) -> tuple[Any, Any]:
         if self.source == "rec":
@@ -305,12 +306,25 @@ class _Labelled:
             payload, label = raw
         else:
             payload, label = raw, -1
-        return self.pipeline(payload, rng), np.float32(label) if self.source == "rec" else label
+        return self.pipeline(payload, rng), _typed(label, self.label_dtype)
+
+
+def _typed(label: Any, dtype: str | None) -> Any:
+    """`label` as `dtype`; by default int64 when it is one whole number (a class index, which
+    cross_entropy wants, though a .rec stores it as float32) and float32 otherwise."""
+    try:
+        array = np.asarray(label, np.float64)
+    except (TypeError, ValueError):
+        return label  # not numbers (class names, say): as they are
+    if dtype is None:
+        dtype = "int64" if array.ndim == 0 and float(array).is_integer() else "float32"
+    return array.astype(dtype)[()]
 
 
 def _tar_label(sample: dict[str, Any]) -> Any:
-    if "cls" in sample:
-        return int(sample["cls"])
+    if "cls" in sample:  # "3", or "0 1 1" for several labels
+        values = [float(x) for x in bytes(sample["cls"]).split()]
+        return values[0] if len(values) == 1 else values
     if "json" in sample:
         import json
 
@@ -329,16 +343,24 @@ def image_loader(
     dtype: str = "float32",
     shuffle: bool = True,
     labels: Sequence[int] | None = None,
+    label_dtype: str | None = None,
     **loader_options: Any,
 ) -> Any:
     """Batches of (images, labels) from `.rec` files (labels from the IRHeader), tar shards
     (labels from `cls`, or `label` in `json`), an image folder (a sub-folder per class, as
     ImageFolder) or a list of image URLs (`labels=` optional); other Loader arguments pass
-    through (num_workers, concurrency, prefetch, cache, ...)."""
+    through (num_workers, concurrency, prefetch, cache, ...).
+
+    Labels are int64 when a sample's label is one whole number, whatever the source, so class
+    labels go straight into cross_entropy; float32 otherwise (fractional or several labels). A
+    batch mixing the two is promoted, never truncated: for regression targets, give
+    `label_dtype="float32"` (any numpy dtype name) to have every label in that dtype."""
     from ._datasets.sources import for_source
     from ._loader import Loader
 
+    if label_dtype is not None:
+        np.dtype(label_dtype)  # a typo fails here, not in a decode process
     dataset, kind = for_source(source, labels)
     pipeline = image_pipeline(data_shape, rand_crop, rand_mirror, mean, std, dtype)
-    return Loader(dataset, decode=_Labelled(pipeline, kind), batch_size=batch_size,
+    return Loader(dataset, decode=_Labelled(pipeline, kind, label_dtype), batch_size=batch_size,
                   shuffle=shuffle, **loader_options)

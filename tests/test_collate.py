@@ -57,3 +57,8 @@ def test_matches_torch_default_collate_values() -> None:
 def test_mismatched_shapes_say_what_to_do() -> None:
     with pytest.raises(ValueError, match="different shapes"):
         default_collate([np.zeros(2), np.zeros(3)])
+
+
+def test_mixed_scalar_dtypes_are_promoted_not_cast_to_the_first() -> None:
+    batch = default_collate([np.int64(1), np.float32(0.5)])
+    assert batch.dtype.kind == "f" and batch.tolist() == [1.0, 0.5]

@@ -72,20 +72,24 @@ def test_a_small_crop_of_a_large_jpeg_decodes_at_reduced_size(
     assert difference < 40  # the same picture, from fewer pixels (noise images differ most)
 
 
+def packed(images: Path, source: str, out: Path) -> str | list[str]:
+    """`images` (a class-per-folder tree or an im2rec .lst) as `source`: folder, rec or tar."""
+    if source == "folder":
+        return str(images)
+    if source == "rec":
+        pack_recordio(images, out / "train.rec", processes=1)
+        return str(out / "train.rec")
+    shards = pack_tar(images, out / "train.tar", processes=1, shard_bytes=4096)
+    return [str(p) for p in shards]
+
+
 @pytest.mark.parametrize("source", ["folder", "rec", "tar", "urls"])
 def test_image_loader_from_every_source(tmp_path: Path, source: str) -> None:
     image_tree(tmp_path / "images")
     expected = sorted([0] * 6 + [1] * 6)
     server = None
-    if source == "folder":
-        where: str | list[str] = str(tmp_path / "images")
-    elif source == "rec":
-        pack_recordio(tmp_path / "images", tmp_path / "train.rec", processes=1)
-        where = str(tmp_path / "train.rec")
-    elif source == "tar":
-        shards = pack_tar(tmp_path / "images", tmp_path / "train.tar", processes=1,
-                          shard_bytes=4096)
-        where = [str(p) for p in shards]
+    if source != "urls":
+        where: str | list[str] = packed(tmp_path / "images", source, tmp_path)
     else:
         server = TestServer(tmp_path / "images")
         names = [f"c{label}/{i}.jpg" for label in range(2) for i in range(6)]
@@ -114,3 +118,59 @@ def test_corrupt_images_name_the_key_or_are_skipped(tmp_path: Path) -> None:
     loader = vision.image_loader(str(tmp_path / "images"), data_shape=(3, 8, 8), batch_size=2,
                                  num_workers=0, on_error="skip")
     assert sum(len(b[1]) for b in loader) == 4 and loader.stats.skipped == 1
+
+
+def labels_of(where: str | list[str], label_dtype: str | None = None) -> np.ndarray:
+    loader = vision.image_loader(where, data_shape=(3, 8, 8), batch_size=4, shuffle=False,
+                                 label_dtype=label_dtype, num_workers=0)
+    with loader:
+        (batch,) = list(loader)
+    labels: np.ndarray = batch[1]
+    return labels
+
+
+@pytest.mark.parametrize("source", ["rec", "tar", "folder"])
+def test_class_labels_go_into_cross_entropy_from_every_source(
+    tmp_path: Path, source: str
+) -> None:
+    """A .rec stores class labels as float32; cross_entropy refuses float class indices."""
+    torch = pytest.importorskip("torch")
+    from aioloader.torch import TorchLoader
+
+    image_tree(tmp_path / "images", per_class=2)
+    where = packed(tmp_path / "images", source, tmp_path)
+    loader = vision.image_loader(where, data_shape=(3, 8, 8), batch_size=4, num_workers=0)
+    with TorchLoader(loader) as batches:
+        ((_, labels),) = list(batches)
+    assert labels.dtype == torch.int64 and sorted(labels.tolist()) == [0, 0, 1, 1]
+    logits = torch.zeros(len(labels), 2, requires_grad=True)
+    loss = torch.nn.functional.cross_entropy(logits, labels)
+    loss.backward()
+    assert loss.item() == pytest.approx(np.log(2))
+    assert labels_of(where, "float32").dtype == np.float32
+
+
+def write_list(tmp_path: Path, labels: list[str]) -> Path:
+    """An im2rec .lst of the tree's four images with these label fields."""
+    image_tree(tmp_path / "images", per_class=2)
+    paths = [f"images/c{c}/{i}.jpg" for c in range(2) for i in range(2)]
+    pairs = enumerate(zip(labels, paths, strict=True))
+    lines = [f"{n}\t{label}\t{path}" for n, (label, path) in pairs]
+    (tmp_path / "train.lst").write_text("\n".join(lines) + "\n")
+    return tmp_path / "train.lst"
+
+
+@pytest.mark.parametrize("source", ["rec", "tar"])
+def test_fractional_labels_are_never_truncated_and_multi_labels_stay_float32(
+    tmp_path: Path, source: str
+) -> None:
+    fractional = write_list(tmp_path / "fractional", ["1", "0.5", "2", "3.25"])
+    where = packed(fractional, source, tmp_path / "fractional")
+    mixed = labels_of(where)  # whole and fractional labels in one batch
+    assert mixed.dtype.kind == "f" and sorted(mixed.tolist()) == [0.5, 1, 2, 3.25]
+    regression = labels_of(where, "float32")
+    assert regression.dtype == np.float32 and sorted(regression.tolist()) == [0.5, 1, 2, 3.25]
+    several = write_list(tmp_path / "several", ["1\t0\t1", "0\t0\t1", "1\t1\t1", "0\t0\t0"])
+    multi = labels_of(packed(several, source, tmp_path / "several"))
+    assert multi.dtype == np.float32 and multi.shape == (4, 3)
+    assert sorted(multi.sum(axis=1).tolist()) == [0, 1, 2, 3]

@@ -88,7 +88,11 @@ def create(name: str, size: int, reserved: bool = True) -> mmap.mmap:
 def open_owned(name: str) -> int:
     """A read-write descriptor of an existing segment, after checking that it is a regular
     file of this user that nobody else may read or write (NotOwned otherwise)."""
-    descriptor = os.open(path(name), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        descriptor = os.open(path(name), os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        refuse_foreign(name)  # a symlink or another user's file: say so, not ELOOP or EACCES
+        raise
     try:
         check_owned(descriptor, name)
     except BaseException:
@@ -98,11 +102,30 @@ def open_owned(name: str) -> int:
 
 
 def check_owned(descriptor: int, name: str) -> None:
-    info = os.fstat(descriptor)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+    _check(os.fstat(descriptor), name)
+
+
+def refuse_foreign(name: str) -> None:
+    """NotOwned if a segment `name` exists and is not this user's private file; looked at
+    without opening it or following a link."""
+    try:
+        info = os.lstat(path(name))
+    except FileNotFoundError:
+        return
+    _check(info, name)
+
+
+def _check(info: os.stat_result, name: str) -> None:
+    if info.st_uid != os.geteuid():
         raise NotOwned(
-            f"{path(name)} belongs to uid {info.st_uid} with mode {stat.filemode(info.st_mode)}; "
-            f"only a file of uid {os.geteuid()} with mode 0600 is used"
+            f"{path(name)} belongs to another user (uid {info.st_uid}; this process is uid "
+            f"{os.geteuid()}): refusing to use it, since whoever made it would choose what this "
+            "process reads. Have its owner or root remove it, or choose another name."
+        )
+    if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o077:
+        raise NotOwned(
+            f"{path(name)} is not a private file ({stat.filemode(info.st_mode)}): refusing to "
+            "use it; only a regular file of mode 0600 is used. Remove it, or choose another name."
         )
 
 
