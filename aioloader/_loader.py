@@ -80,6 +80,8 @@ class Loader(Closing, AsyncClosing):
         drop_last: leave out the last batch when it is not full.
         concurrency: reads in flight, or "auto" to find the number while running.
         num_workers: decode processes; 0 decodes in the event loop's thread (for debugging).
+            With nothing to run in them (no decode, augment, cache or worker_init, the
+            default collate), batches are collated in the loop's thread whatever the number.
         prefetch: finished batches kept ready for the consumer.
         ordered: False hands batches over as they finish rather than in order.
         collate: list of samples -> batch, in the decode processes (default: like torch's).
@@ -368,7 +370,9 @@ class Loader(Closing, AsyncClosing):
         epoch = self._epoch
         config = self._config(epoch)
         stats = self.stats
-        stats.concurrency, stats.decode_processes = self.concurrency, self.num_workers
+        # a stream is pulled one item at a time, whatever it reads ahead itself
+        stats.concurrency = 1 if isinstance(self.dataset, Stream) else self.concurrency
+        stats.decode_processes = self.num_workers
         reads = autotune.ReadLimit(self.concurrency)
         connections = autotune.HIGHEST if self.auto_concurrency else self.concurrency
         storage = Storage(connections, self.retries, self.timeout, stats.storage,
@@ -411,7 +415,7 @@ class Loader(Closing, AsyncClosing):
     async def _decoder(self, epoch: int) -> tuple[Decoder, DecodePool | None]:
         if self.executor is not None:
             return ExecutorDecoder(self._spec, self.executor), None
-        if not self.num_workers:
+        if not self.num_workers or self._nothing_to_decode():
             return InlineDecoder(self._spec), None
         base_seed = int(
             np.random.SeedSequence([self.seed, epoch], spawn_key=(2,)).generate_state(1)[0]
@@ -426,6 +430,15 @@ class Loader(Closing, AsyncClosing):
         decoder = PoolDecoder(pool, self.decode_timeout, self.max_worker_restarts,
                               self.on_error == "skip", self._worker_restarted)
         return decoder, owned
+
+    def _nothing_to_decode(self) -> bool:
+        """No decode, no augment, no cache, nothing read in the workers, the default collate
+        and no worker_init: sending raw items to a process and back would cost more than
+        collating them here."""
+        spec = self._spec
+        return (spec.decode is None and spec.augment is None and spec.cache is None
+                and spec.load is None and spec.collate in (None, default_collate)
+                and self._worker_init is None)
 
     def _use_concurrency(self, limit: int) -> None:
         self.concurrency = self.stats.concurrency = limit

@@ -135,10 +135,18 @@ class LoaderStats:
                 f"{min(decode_share, 1):.0%} of the time; raise num_workers, or cache decoded "
                 "samples with SharedCache"
             )
+        reads_share = self.fetch.total / (self.busy_seconds * max(self.concurrency, 1))
+        if reads_share > 0.5:
+            return (
+                f"bound by storage: reads take {self.fetch.percentile(50) * 1e3:.1f} ms (p50) and "
+                f"kept the {self.concurrency} read slot(s) {min(reads_share, 1):.0%} busy while "
+                f"decode was busy only {decode_share:.0%}; raise concurrency"
+            )
         return (
-            f"bound by storage: reads take {self.fetch.percentile(50) * 1e3:.1f} ms (p50) with "
-            f"up to {self.concurrency} in flight and decode is busy only {decode_share:.0%}; "
-            "raise concurrency"
+            f"bound by the event loop's own work: reads kept their slots {reads_share:.0%} "
+            f"busy and decode {decode_share:.0%}, yet the consumer waited {waited:.0%} of the "
+            "time; per-sample work in the loop (a fetch per sample, parsing a stream) is the "
+            "limit: read in batches (fetch_many), move work into decode, or use larger batches"
         )
 
     def __str__(self) -> str:

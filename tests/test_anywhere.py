@@ -618,10 +618,6 @@ print(json.dumps(sorted(set(loader))))
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "worker_init and the decode spec are cloudpickled separately, so functions of __main__ "
-    "get two copies of its globals in a decode process: what worker_init sets, decode never "
-    "sees (DataLoader shares one __main__ under fork and spawn)"))
 def test_state_worker_init_sets_in_main_globals_is_seen_by_decode(
     tmp_path: Path, sample_dir: Path
 ) -> None:

@@ -130,18 +130,29 @@ async def _fill(
         await queue.put(_DONE)
 
 
+FIRST_YIELD = 100
+"""Samples in the shuffle buffer before the first comes out (as WebDataset's `initial`)."""
+
+
 async def _shuffled(
     items: AsyncGenerator[dict[str, Any], None], size: int, rng: np.random.Generator
 ) -> AsyncGenerator[dict[str, Any], None]:
+    """A shuffle buffer that starts giving samples once it holds FIRST_YIELD (not `size`, which
+    would delay the first batch by a whole buffer), then grows to `size` by taking two samples
+    in for each it gives out."""
     buffer: list[dict[str, Any]] = []
     async with aclosing(items):
         async for item in items:
-            if len(buffer) < size:
-                buffer.append(item)
+            buffer.append(item)
+            if len(buffer) < min(FIRST_YIELD, size):
                 continue
-            slot = int(rng.integers(size))
-            yield buffer[slot]
-            buffer[slot] = item
+            if len(buffer) < size:
+                extra = await anext(items, None)
+                if extra is not None:
+                    buffer.append(extra)
+            slot = int(rng.integers(len(buffer)))
+            buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
+            yield buffer.pop()
     rng.shuffle(buffer)
     for item in buffer:
         yield item

@@ -269,7 +269,7 @@ class PoolDecoder:
             fresh = await off_loop(self._pool.replace, process)
         except LoaderError:
             return  # the pool closed meanwhile: the pass is over
-        self._assigned[fresh.id] = deque()
+        self._assigned.setdefault(fresh.id, deque())  # Ready may have come, and chunks with it
         self._dispatch()
 
     def _give_up(self, job: _Job, error: LoaderError, reason: str) -> None:

@@ -15,6 +15,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -129,9 +130,9 @@ class DecodePool:
                                "num_workers=0 or executor=")
         self.num_workers = num_workers
         self._init = Init(
-            spec=dumps(spec), worker_init=dumps(worker_init), worker_id=0,
-            num_workers=num_workers, seed=base_seed, sys_path=list(sys.path), cwd=os.getcwd(),
-            environ=dict(os.environ),
+            code=dumps((spec, worker_init)), worker_id=0, num_workers=num_workers,
+            seed=base_seed, sys_path=list(sys.path), argv=list(sys.argv), cwd=os.getcwd(),
+            environ=dict(os.environ), warning_filters=list(warnings.filters),
         )
         self._lock = threading.Lock()
         self._listener: tuple[asyncio.AbstractEventLoop, Listener] | None = None

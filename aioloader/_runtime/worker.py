@@ -17,10 +17,11 @@ import signal
 import socket
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -272,16 +273,20 @@ def respond(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
 @dataclass(frozen=True)
 class Init:
     """The first message a decode process gets: who it is, the spec, and the main process's
-    import path, working directory and environment, so code behaves as it would there."""
+    import path, arguments, working directory, environment and warning filters, so code
+    behaves as it would there."""
 
-    spec: bytes
-    worker_init: bytes
+    code: bytes
+    """The spec and worker_init, pickled together: functions of `__main__` share one copy of
+    its globals, so what worker_init sets there, decode sees."""
     worker_id: int
     num_workers: int
     seed: int
     sys_path: list[str]
+    argv: list[str]
     cwd: str
     environ: dict[str, str]
+    warning_filters: list[Any]
 
 
 @dataclass(frozen=True)
@@ -313,15 +318,18 @@ STOP = "stop"
 def _start(init: Init) -> DecodeSpec:
     global _worker_info
     sys.path[:] = init.sys_path
+    sys.argv[:] = init.argv
     os.environ.clear()
     os.environ.update(init.environ)
     os.chdir(init.cwd)
+    warnings.resetwarnings()
+    cast(list[Any], warnings.filters).extend(init.warning_filters)
     seed = init.seed + init.worker_id
     random.seed(seed)
     np.random.seed(seed % 2**32)
     _worker_info = WorkerInfo(init.worker_id, init.num_workers, seed)
-    spec: DecodeSpec = pickle.loads(init.spec)
-    worker_init = pickle.loads(init.worker_init)
+    spec: DecodeSpec
+    spec, worker_init = pickle.loads(init.code)
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(seed)

@@ -45,6 +45,9 @@ an epoch no new reads bring tokens, and its last slow read would wait its full t
 DEBT = 8.0
 """Tokens that may be borrowed that way; later reads pay them back, so the budget holds."""
 
+HEDGE_MAX_BYTES = 8 << 20
+"""Ranged reads larger than this are not hedged: their time is bandwidth, not a slow answer,
+and a second copy (a Parquet row group, say) would cost as much again."""
 HEDGE_CONNECTIONS = 32
 """Connections a storage keeps beyond its reads in flight, for their hedges."""
 

@@ -17,7 +17,7 @@ from .._closing import AsyncClosing
 from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
-from ._hedge import HEDGE_CONNECTIONS, Hedger
+from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Hedger
 from ._http import HttpStore
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore
@@ -157,7 +157,8 @@ class Storage(AsyncClosing):
 
     async def _read_remote(self, url: str, start: int | None, end: int | None) -> bytes:
         store = self._remote(url)
-        if self._hedger is None:
+        large = start is not None and end is not None and end - start > HEDGE_MAX_BYTES
+        if self._hedger is None or large:  # a large read is bound by bandwidth, not latency
             return await store.read(url, start, end)
         return await self._hedger.read(lambda: store.read(url, start, end))
 
