@@ -124,3 +124,13 @@ def stuck_on_five(raw: bytes) -> int:
 def slow_index(raw: bytes) -> int:
     time.sleep(0.02)
     return index_of(raw)
+
+
+def wave_was_loaded(raw: bytes) -> bool:
+    """Whether `wave` was in the process before this decode imported it."""
+    import sys
+
+    loaded = "wave" in sys.modules
+    import wave  # noqa: F401
+
+    return loaded

@@ -379,3 +379,15 @@ async def test_pass_ends_and_aclose_never_block_the_event_loop(
         loop.set_debug(False)
     slow = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
     assert not slow, slow
+
+
+def test_packages_decode_imports_are_preloaded_for_the_next_pass(local_paths: list[str]) -> None:
+    from decoders import wave_was_loaded
+
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=wave_was_loaded,
+                              batch_size=10)  # a new pair of decode processes each pass
+    with loader:
+        first = [bool(x) for batch in loader for x in batch]
+        second = [bool(x) for batch in loader for x in batch]
+    assert not all(first)  # the zygote did not have it
+    assert all(second)  # it learnt it from the first pass's processes

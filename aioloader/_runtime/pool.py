@@ -21,7 +21,7 @@ from typing import Any
 
 from .._errors import LoaderError
 from .channel import Channel, dumps
-from .worker import STOP, DecodeSpec, Init, InitFailed, Ready
+from .worker import STOP, DecodeSpec, Imported, Init, InitFailed, Ready
 from .zygote import Zygote
 
 STOP_GRACE_SECONDS = 2.0
@@ -81,6 +81,9 @@ class DecodeProcess:
         try:
             while True:
                 message = self._channel.receive()
+                if isinstance(message, Imported):
+                    Zygote.get().learn(message.packages)
+                    continue
                 if isinstance(message, Ready):
                     self.ready = True
                 elif isinstance(message, InitFailed):

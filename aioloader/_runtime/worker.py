@@ -16,6 +16,7 @@ import re
 import signal
 import socket
 import sys
+import sysconfig
 import traceback
 import warnings
 from collections.abc import Callable
@@ -312,7 +313,32 @@ class Done:
     result: ChunkResult
 
 
+@dataclass(frozen=True)
+class Imported:
+    """Installed packages this process imported beyond the zygote's, after its first chunk."""
+
+    packages: list[str]
+
+
 STOP = "stop"
+
+
+def installed_packages(modules: set[str]) -> list[str]:
+    """The top-level packages among `modules` that come from the Python installation
+    (standard library, site-packages), not from the user's own folders."""
+    roots = {os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+             if (p := sysconfig.get_paths().get(key))}
+    found = set()
+    for name in modules:
+        top = name.partition(".")[0]
+        module = sys.modules.get(top)
+        where = getattr(module, "__file__", None)
+        if top.startswith("__") or where is None:
+            continue
+        where = os.path.realpath(where)
+        if any(where.startswith(root + os.sep) for root in roots):
+            found.add(top)
+    return sorted(found)
 
 
 def _start(init: Init) -> DecodeSpec:
@@ -343,6 +369,8 @@ def serve(descriptor: int) -> int:
     the main process is gone (end of the channel)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     channel = Channel(socket.socket(fileno=descriptor))
+    preloaded = set(sys.modules)
+    reported = False
     try:
         init = channel.receive()
         try:
@@ -353,6 +381,9 @@ def serve(descriptor: int) -> int:
         channel.send(Ready(os.getpid()))
         while (message := channel.receive()) != STOP:
             channel.send(Done(message.id, respond(spec, message.chunk)))
+            if not reported:
+                reported = True
+                channel.send(Imported(installed_packages(set(sys.modules) - preloaded)))
     except (EOFError, OSError):
         pass
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import pickle
 import select
@@ -82,6 +83,7 @@ class Zygote:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._learned: set[str] = set()
         ours, theirs = socket.socketpair()
         package_parent = str(Path(__file__).resolve().parents[2])
         environment = dict(os.environ)
@@ -123,9 +125,18 @@ class Zygote:
         return reply
 
     def spawn(self, channel: socket.socket) -> int:
-        """Fork a decode process that serves `channel`; its pid."""
-        pid: int = self._request("spawn", [channel.fileno()])
+        """Fork a decode process that serves `channel`; its pid. Packages decode processes
+        were seen to import are imported by the zygote first, once, so that later decode
+        processes start with them (a pass that imports torch pays for it once, not per pass)."""
+        with self._lock:
+            preload, self._learned = sorted(self._learned), set()
+        pid: int = self._request(("spawn", preload), [channel.fileno()])
         return pid
+
+    def learn(self, packages: list[str]) -> None:
+        """Installed packages a decode process imported: the next spawn preloads them."""
+        with self._lock:
+            self._learned.update(packages)
 
     def exit_status(self, pid: int, wait: float = 0.0) -> int | None:
         """The exit status of a decode process as subprocess reports it (negative: killed by
@@ -184,9 +195,10 @@ class _Server:
             self.clean_up()
 
     def answer(self, message: Any, fds: list[int]) -> Any:
-        if message == "spawn":
-            return self.fork(fds[0])
         kind, argument = message
+        if kind == "spawn":
+            preload(argument)
+            return self.fork(fds[0])
         if kind == "status":
             self.reap()
             return self.statuses.get(argument)
@@ -237,6 +249,15 @@ class _Server:
         remove_leftovers(self.parent)
         for name in self.caches:
             remove_if_unused(name)
+
+
+def preload(packages: list[str]) -> None:
+    """Import installed packages so forked decode processes have them; one that fails to
+    import is left to the decode process, as before."""
+    for name in packages:
+        if name not in sys.modules:
+            with contextlib.suppress(Exception):
+                importlib.import_module(name)
 
 
 def _exit_on_term(signum: int, frame: object) -> None:
