@@ -245,8 +245,10 @@ class Loader(Closing, AsyncClosing):
         self._holder = _PoolHolder()
         self._blocks: BlockPool | None = None
         if shared_memory and num_workers and executor is None and shm.available():
-            self._blocks = BlockPool(max_blocks=self._decode_window() + self._prefetch_chunks()
-                                     + 4)
+            self._blocks = BlockPool(
+                max_blocks=self._decode_window() + self._prefetch_chunks() + 4,
+                max_bytes=self.memory_limit,
+            )
         self._finalizer = weakref.finalize(self, _shut_down, self._holder, self._blocks)
 
     def _check_serialisable(self) -> None:

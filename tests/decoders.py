@@ -134,3 +134,8 @@ def wave_was_loaded(raw: bytes) -> bool:
     import wave  # noqa: F401
 
     return loaded
+
+
+def two_megabytes(raw: bytes) -> np.ndarray:
+    """A 2 MiB float32 image filled with the sample's index (the raw file holds it)."""
+    return np.full((512, 1024), index_of(raw), np.float32)

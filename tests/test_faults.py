@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -10,9 +11,10 @@ import psutil
 import pytest
 
 import aioloader
+from aioloader._runtime import shm
 from aioloader.testing import TestServer
 
-from decoders import SAMPLE_COUNT, big_image, index_of, jpeg_index
+from decoders import SAMPLE_COUNT, index_of, jpeg_index, two_megabytes
 
 
 def epoch(loader: aioloader.Loader) -> list[int]:
@@ -109,24 +111,69 @@ def test_corrupt_samples_raise_or_are_skipped(tmp_path: Path) -> None:
                for name in ("truncated.jpg", "garbage.jpg", "empty.jpg"))
 
 
-def test_slow_and_stopped_consumers_keep_memory_within_the_prefetch_bound(
-    urls: list[str],
-) -> None:
-    batch_mb = 10 * 3 * 64 * 64 * 4 / 1e6
-    loader = aioloader.Loader(aioloader.Files(urls * 4), decode=big_image, batch_size=10,
-                              prefetch=2, concurrency=16)
+def shm_bytes(pid: int) -> int:
+    """Bytes of the shared-memory segments process `pid` owns."""
+    folder = Path(shm.SHM_DIR)
+    return sum(p.stat().st_size for p in folder.glob(shm.prefix(pid) + "*") if p.is_file())
+
+
+def peak_memory_while_the_consumer_stops(paths: list[str], memory_limit: int | None) -> float:
+    """Bytes over the start: the main process's RSS plus its /dev/shm segments, at their peak
+    while the consumer takes two batches and then stops for 3 s."""
     me = psutil.Process()
-    peaks = []
+    loader = aioloader.Loader(aioloader.Files(paths), decode=two_megabytes, batch_size=8,
+                              prefetch=1, concurrency=8, memory_limit=memory_limit)
+    start = me.memory_info().rss
+    peak = 0
     with loader:
         for n, batch in enumerate(loader):
-            if n == 3:
-                time.sleep(5)  # the consumer stops; the loader must not run ahead
-            else:
-                time.sleep(0.02)
-            peaks.append(me.memory_info().rss / 1e6)
             del batch
-    bound = (loader._decode_window() + loader.prefetch + 4) * batch_mb  # decoding + waiting
-    assert max(peaks) - peaks[0] < bound + 20  # + 20 MB for the interpreter's own churn
+            if n == 1:
+                for _ in range(30):
+                    time.sleep(0.1)
+                    peak = max(peak, me.memory_info().rss + shm_bytes(os.getpid()) - start)
+            if n == 2:
+                break
+    return peak
+
+
+def test_a_stopped_consumer_keeps_memory_within_memory_limit(tmp_path: Path) -> None:
+    """1 MiB raw samples decoded to 2 MiB: read ahead without a limit, the loader would hold
+    hundreds of MB while the consumer stops."""
+    paths = []
+    for i in range(400):
+        path = tmp_path / f"{i:04d}.bin"
+        path.write_bytes(i.to_bytes(4, "little") + bytes(1 << 20))
+        paths.append(str(path))
+    limit = 64 << 20
+    bounded = peak_memory_while_the_consumer_stops(paths, limit)
+    unbounded = peak_memory_while_the_consumer_stops(paths, None)
+    # a chunk read past the limit (8 MiB), a batch decoding (16), reads in flight (8), and the
+    # allocator's hold on freed buffers
+    overhead = 64 << 20
+    assert bounded < limit + overhead, f"{bounded / 2**20:.0f} MiB held"
+    assert unbounded > bounded + 2 * limit  # what the limit saves here
+
+
+def test_a_pass_where_every_sample_fails_raises_with_the_count(
+    faulty_server: TestServer,
+) -> None:
+    urls = [f"{faulty_server.url}missing-{i}.bin" for i in range(12)]
+    loader = aioloader.Loader(aioloader.Files(urls), batch_size=4, num_workers=0,
+                              on_error="skip")
+    with pytest.raises(aioloader.LoaderError, match=r"every sample.*12 skipped.*missing-"):
+        list(loader)
+    assert all("\n" not in reason for reason in loader.stats.skip_reasons)
+
+
+def test_a_failed_read_is_a_fetch_error_and_a_sample_error(faulty_server: TestServer) -> None:
+    urls = [f"{faulty_server.url}{i:04d}.bin" for i in range(4)] + [faulty_server.url + "gone"]
+    with pytest.raises(aioloader.FetchError) as caught:
+        list(aioloader.Loader(aioloader.Files(urls), batch_size=5, num_workers=0))
+    error = caught.value
+    assert isinstance(error, aioloader.SampleError)
+    assert error.index == 4 and error.key == urls[4] and error.url == urls[4]
+    assert error.status == 404 and "\n" not in str(error)
 
 
 def test_killed_decode_process_mid_epoch_raises_within_seconds(urls: list[str]) -> None:

@@ -101,6 +101,9 @@ class Pass:
         self._next_step = 0
         self._held = 0
         self._ahead = 0
+        self._raw_per_sample = 0.0
+        self._result_per_sample = 0.0
+        """Moving averages of a sample's bytes, raw and decoded."""
         self._decoding = 0
         self._lent: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -195,6 +198,8 @@ class Pass:
                 self._check_not_all_skipped()
                 return END
             self._held -= finished.held
+            if self._blocks is not None:  # idle blocks only in the room samples leave
+                self._blocks.keep_idle(max(0, self.config.memory_limit - self._held))
             self._room_changed.set()
             self._stage_changed.set()
             self.steps_done = self._handover.steps_done(finished.step)
@@ -225,9 +230,17 @@ class Pass:
 
     async def room(self) -> None:
         config = self.config
-        while self._held >= config.memory_limit or self._ahead >= config.read_ahead:
+        while self._committed() >= config.memory_limit or self._ahead >= config.read_ahead:
             self._room_changed.clear()
             await self._room_changed.wait()
+
+    def _committed(self) -> int:
+        """Bytes held, plus the idle shared blocks kept for reuse, plus what the samples read
+        ahead will add once decoded (the average result per sample so far; before any, their
+        raw size): reads stop before the limit, not a window of results after it."""
+        per_sample = self._result_per_sample or self._raw_per_sample
+        idle = self._blocks.idle_bytes if self._blocks is not None else 0
+        return self._held + idle + int(self._ahead * per_sample)
 
     def reading(self, pending: Pending, count: int) -> None:
         pending.ahead += count
@@ -237,6 +250,7 @@ class Pass:
         size = estimate_bytes(raw)
         pending.held += size
         self._held += size
+        self._raw_per_sample = _averaged(self._raw_per_sample, size, 64)
         self._progress_at = now()
 
     def complete(self, pending: Pending) -> None:
@@ -292,14 +306,21 @@ class Pass:
     def _may_decode(self) -> bool:
         """Whether the first ready chunk may start decoding. In order, the window is a distance
         ahead of the next step to hand over, so the chunk the consumer waits for always may;
-        out of order, it is a count of chunks decoding or finished."""
+        out of order, it is a count of chunks decoding or finished. Over the memory limit, only
+        the chunk the consumer needs next."""
         if not self._ready:
             return False
         window = self.config.decode_window
+        over = self._committed() >= self.config.memory_limit  # a result would add to it
         if self.config.ordered:
             first_step = self._ready[0][0]
-            return first_step < self._handover.next_step + window * self.config.steps_per_chunk
+            if first_step == self._handover.next_step:
+                return True  # what the consumer waits for, whatever the budget
+            return not over and (
+                first_step < self._handover.next_step + window * self.config.steps_per_chunk)
         waiting_chunks = -(-self._handover.waiting // self.config.steps_per_chunk)
+        if over:
+            return self._decoding == 0 and waiting_chunks == 0
         return self._decoding + waiting_chunks < window
 
     async def _decode(self, pending: Pending) -> None:
@@ -314,6 +335,9 @@ class Pass:
             self._release(pending)
         self._progress_at = moment = now()
         self._held += held
+        if pending.indices:
+            per_sample = held / len(pending.indices)
+            self._result_per_sample = _averaged(self._result_per_sample, per_sample, 8)
         if isinstance(outcome, Failed):
             self._handover.put(Finished(pending.first_step, outcome, held, moment))
             return
@@ -441,3 +465,8 @@ class Pass:
             return None
         seconds, what = max(candidates)
         return f"{what} has been in flight for {seconds:.0f} s"
+
+
+def _averaged(average: float, value: float, weight: int) -> float:
+    """A moving average over about `weight` values, starting at the first one."""
+    return value if average == 0 else average + (value - average) / weight

@@ -163,17 +163,21 @@ class BlockAllocator:
 class BlockPool:
     """The main process's blocks: lent to tasks, mapped into batches, reused when free.
 
-    A task is lent a free block, or, while there are fewer than `max_blocks`, a fresh name the
-    decode process creates the block under. A block too small for a later batch is retired.
+    A task is lent a free block, or, while there are fewer than `max_blocks` of fewer than
+    `max_bytes` in all, a fresh name the decode process creates the block under. A block too
+    small for a later batch, or past the bytes allowed, is removed rather than kept.
     Blocks carry this process's name prefix, so the zygote removes them if this process dies.
     """
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, max_bytes: int) -> None:
         self.max_blocks = max_blocks
+        self.max_bytes = max_bytes
+        """Bytes of blocks kept, at most (one block may pass it): /dev/shm is memory too."""
         self._maps: dict[str, mmap.mmap] = {}
         self._sizes: dict[str, int] = {}
         """Every name lent or free; size 0 while a decode process may still be creating it."""
         self._free: list[str] = []
+        self._max_idle = max_bytes
         self._late: set[str] = set()
         """Names lent to processes that were killed: unlinked now and again at close, in case
         a dying process created one after the first unlink."""
@@ -189,7 +193,7 @@ class BlockPool:
             if self._free:
                 name = self._free.pop()
                 return Slot(name, self._sizes[name])
-            if len(self._sizes) >= self.max_blocks:
+            if len(self._sizes) >= self.max_blocks or self.bytes >= self.max_bytes:
                 return None
             name = next(self._names)
             self._sizes[name] = 0
@@ -201,7 +205,8 @@ class BlockPool:
         with self._lock:
             if name not in self._sizes:
                 return
-            if self._closed:
+            idle_after = self.idle_bytes + self._sizes[name]
+            if self._closed or self.bytes > self.max_bytes or idle_after > self._max_idle:
                 self._remove(name)
             elif name not in self._free:
                 self._free.append(name)
@@ -235,6 +240,14 @@ class BlockPool:
 
         return map_arrays(value, view, SharedArray)
 
+    def keep_idle(self, idle_bytes: int) -> None:
+        """Keep at most `idle_bytes` of idle blocks from now on (the pass's room under its
+        memory limit): the rest are removed, now and as they are released."""
+        with self._lock:
+            self._max_idle = idle_bytes
+            while self._free and self.idle_bytes > idle_bytes:
+                self._remove(self._free[0])
+
     def _remove(self, name: str) -> None:
         """Unlink a block; its memory goes when the last view of it does."""
         self._maps.pop(name, None)
@@ -246,6 +259,16 @@ class BlockPool:
     @property
     def segments(self) -> int:
         return len(self._sizes)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the blocks that exist now."""
+        return sum(self._sizes.values())
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the blocks waiting to be lent again: memory kept, holding no batch."""
+        return sum(self._sizes[name] for name in self._free)
 
     def close(self) -> None:
         """Unlink every block now; batches still held keep their memory until dropped."""
