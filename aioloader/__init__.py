@@ -10,6 +10,8 @@ from ._collate import default_collate
 from ._datasets import (
     Dataset,
     Files,
+    Mix,
+    Mixed,
     Parquet,
     ParquetError,
     RecordIO,
@@ -41,6 +43,8 @@ __all__ = [
     "Loader",
     "LoaderError",
     "LoaderStats",
+    "Mix",
+    "Mixed",
     "Parquet",
     "ParquetError",
     "RecordIO",

@@ -41,7 +41,6 @@ from ._sampling import (
     ShardInfo,
     call_with_shard_info,
     default_rank_and_world_size,
-    epoch_order,
     steps_in_epoch,
 )
 from ._stats import LoaderStats
@@ -222,6 +221,7 @@ class Loader(Closing, AsyncClosing):
         self.cache = cache
         self.disk_cache = None if cache_dir is None else DiskCache(cache_dir, cache_limit)
         self.stats.cache_reports = [c.report for c in (cache, self.disk_cache) if c is not None]
+        self.stats.source_shares = getattr(dataset, "shares", None)
         self.executor = executor
         load, threads = (None, 1) if isinstance(dataset, Stream) else (
             dataset.load_in_workers() or (None, 1))
@@ -274,7 +274,7 @@ class Loader(Closing, AsyncClosing):
         _check_count("epoch", epoch, minimum=0)
         self._epoch, self._position, self._resume_at = epoch, 0, None
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Where this loader stands: small and JSON-serialisable.
 
         Map-style data: the position in the epoch's global order, valid for any rank and any
@@ -283,12 +283,15 @@ class Loader(Closing, AsyncClosing):
         """
         running = self._pass
         position = running.position if running is not None else self._position
-        state = {"epoch": self._epoch, "position": position}
+        state: dict[str, Any] = {"epoch": self._epoch, "position": position}
         if isinstance(self.dataset, Stream):
             state["world_size"] = self.world_size
+        state_at = getattr(self.dataset, "state_at", None)
+        if state_at is not None:  # a mixture: where each source stands, for people to read
+            state["sources"] = state_at(self._epoch, self.seed, position)
         return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next iteration continues the saved epoch at the saved position."""
         if isinstance(self.dataset, Stream) and state.get("world_size") != self.world_size:
             raise LoaderError(
@@ -386,7 +389,7 @@ class Loader(Closing, AsyncClosing):
                 config.steps_per_chunk, not (self.drop_last and self.batch_size), stats,
             )
         else:
-            order = epoch_order(len(self.dataset), self.shuffle, self.seed, epoch)
+            order = self.dataset.epoch_order(self.shuffle, self.seed, epoch)
             plan = EpochPlan(order, self.batch_size or 1, self.rank, self.world_size,
                              self.drop_last, start)
             source = PlannedSource(self.dataset, plan, config.steps_per_chunk,

@@ -81,6 +81,8 @@ class LoaderStats:
     """Decode processes that died (a signal, the OOM killer) and were replaced mid-pass."""
     cache_reports: list[Callable[[], dict[str, float]]] = field(default_factory=list)
     """The caches' own reports, read when `cache` is asked for."""
+    source_shares: Callable[[], dict[str, float]] | None = None
+    """A mixture's own count of what it drew from each source, read by `sources`."""
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
     storage: StorageCounters = field(default_factory=StorageCounters)
     """The storage's own counters, shared by every pass's storage; read, never written here."""
@@ -92,6 +94,11 @@ class LoaderStats:
         for report in self.cache_reports:
             merged.update(report())
         return merged
+
+    @property
+    def sources(self) -> dict[str, float]:
+        """With an `aioloader.Mix`: the share of samples drawn from each source."""
+        return {} if self.source_shares is None else self.source_shares()
 
     @property
     def requests(self) -> int:

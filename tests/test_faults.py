@@ -40,7 +40,7 @@ def test_every_sample_exactly_once_through_faults(
     with aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=10,
                           concurrency=32, timeout=0.5) as loader:
         assert epoch(loader) == sorted(list(range(SAMPLE_COUNT)) * 3)
-        assert loader.stats.retries > 0
+        assert loader.stats.retries + loader.stats.hedges > 0  # a stall may meet its hedge first
 
 
 def test_fault_outlasting_the_budget_names_the_url(faulty_server: TestServer) -> None:

@@ -2,6 +2,7 @@
 
 from .base import Dataset, Stream
 from .files import Files
+from .mix import Mix, Mixed
 from .parquet import Parquet, ParquetError
 from .recordio import RecordIO
 from .streambatches import StreamBatches
@@ -11,6 +12,8 @@ from .torchmap import from_torch
 __all__ = [
     "Dataset",
     "Files",
+    "Mix",
+    "Mixed",
     "Parquet",
     "ParquetError",
     "RecordIO",

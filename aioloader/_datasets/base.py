@@ -13,6 +13,11 @@ from collections.abc import (
 )
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
+from .._sampling import epoch_order
+
 
 class Dataset(abc.ABC):
     """Subclass with `__len__` and `async def fetch(index)`; fetch runs in the event loop.
@@ -36,6 +41,11 @@ class Dataset(abc.ABC):
     async def fetch_many(self, indices: Sequence[int]) -> list[Any]:
         """The raw items at `indices`, in order; used when `batched_fetch` is True."""
         return [await self.fetch(index) for index in indices]
+
+    def epoch_order(self, shuffle: bool, seed: int, epoch: int) -> npt.NDArray[np.int64]:
+        """The order of an epoch's samples, which the ranks share in lockstep; override for an
+        order of your own. The default: a permutation from (seed, epoch) when shuffling."""
+        return epoch_order(len(self), shuffle, seed, epoch)
 
     def load_in_workers(self) -> tuple[Callable[[Any], Any], int] | None:
         """For datasets read inside the decode processes (`from_torch`): the function that
