@@ -72,10 +72,10 @@ CAVEATS = """\
   - latency only: no bandwidth limit, plain HTTP (no TLS), signatures not checked (WebDataset's
     URLs are unsigned; the others pay for signing); real S3 costs more per request and per byte
   - the proxy and moto share the 2 cores with the loader (srv1); per-object rows load them most
-  - aioloader starts its decode processes from a fresh interpreter (forkserver); DataLoader
-    workers fork from the warm parent: counted in epoch 1, large when the data set is small
+  - aioloader forks its decode processes from a helper it starts once per interpreter (about
+    0.3 s, counted in epoch 1); DataLoader workers fork from the warm parent
   - shuffling differs: full permutations (per-object, RecordIO), shard order + a 1000-sample
-    buffer (aioloader tar: one buffer, filled before the first sample; WebDataset: one per
+    buffer (aioloader tar: one buffer, giving samples once it holds 100; WebDataset: one per
     worker), chunk-wise (LitData), block-wise (Mosaic); WebDataset gives each worker whole
     shards, so a few shards make its epoch end lopsided"""
 

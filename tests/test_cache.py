@@ -91,7 +91,7 @@ def test_random_decode_with_a_cache_is_refused(urls: list[str]) -> None:
 
 
 def test_disk_cache_serves_epoch_two_and_evicts_the_oldest_within_its_limit(
-    faulty_server: TestServer, tmp_path: Path
+    faulty_server: TestServer, tmp_path: Path, sample_dir: Path
 ) -> None:
     urls = [f"{faulty_server.url}{i:04d}.bin" for i in range(40)]
     loader = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=8,
@@ -103,13 +103,17 @@ def test_disk_cache_serves_epoch_two_and_evicts_the_oldest_within_its_limit(
     assert first == second and loader.stats.cache["disk_hits"] == 40
     from aioloader.storage._diskcache import DiskCache
 
-    limit = DiskCache(tmp_path / "empty").size + 4096  # the index, and room for some samples
-    small = aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=8,
-                             cache_dir=tmp_path / "small", cache_limit=limit, num_workers=0)
+    big = []  # values this large live in files, so the cache's size moves by whole values
+    for i in range(12):
+        (sample_dir / f"cache-big-{i}.bin").write_bytes(bytes([i]) * (40 << 10))
+        big.append(f"{faulty_server.url}cache-big-{i}.bin")
+    limit = DiskCache(tmp_path / "empty").size + 5 * (40 << 10)
+    small = aioloader.Loader(aioloader.Files(big), batch_size=4, cache_dir=tmp_path / "small",
+                             cache_limit=limit, num_workers=0)
     list(small)
     kept = small.disk_cache
-    assert kept is not None and 0 < len(kept) < 40 and kept.size <= limit
-    assert kept.get(urls[0], None, None) is None  # the oldest written went first
+    assert kept is not None and 0 < len(kept) < 12 and kept.size <= limit
+    assert kept.get(big[0], None, None) is None  # the oldest written went first
 
 
 def named_segments(name: str) -> set[str]:

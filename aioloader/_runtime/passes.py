@@ -99,8 +99,12 @@ class Pass:
         self._fed = False
         self._feed_error: BaseException | None = None
         self._next_step = 0
-        self._held = 0
+        self._raw = 0
+        """Bytes of raw items read and not decoded yet."""
+        self._results = 0
+        """Bytes of decoded batches not taken by the consumer yet."""
         self._ahead = 0
+        self._samples_per_step = config.batch_size or 1
         self._raw_per_sample = 0.0
         self._result_per_sample = 0.0
         """Moving averages of a sample's bytes, raw and decoded."""
@@ -197,7 +201,7 @@ class Pass:
                 self.finished = True
                 self._check_not_all_skipped()
                 return END
-            self._held -= finished.held
+            self._results -= finished.held
             if self._blocks is not None:  # idle blocks only in the room samples leave
                 self._blocks.keep_idle(max(0, self.config.memory_limit - self._held))
             self._room_changed.set()
@@ -230,17 +234,30 @@ class Pass:
 
     async def room(self) -> None:
         config = self.config
-        while self._committed() >= config.memory_limit or self._ahead >= config.read_ahead:
+        while self._ahead and (
+            self._committed() >= config.memory_limit or self._ahead >= config.read_ahead
+        ):
             self._room_changed.clear()
             await self._room_changed.wait()
 
+    @property
+    def _held(self) -> int:
+        return self._raw + self._results
+
     def _committed(self) -> int:
-        """Bytes held, plus the idle shared blocks kept for reuse, plus what the samples read
-        ahead will add once decoded (the average result per sample so far; before any, their
-        raw size): reads stop before the limit, not a window of results after it."""
+        """What reading more would commit the loader to: raw bytes held, the idle shared
+        blocks kept for reuse, and the results decoding may hold at once (a full decode window
+        at the average result size so far; before any, the raw size), or the results held if
+        more. Samples still being read count at the average raw size. Reads stop before the
+        limit, not a window of results after it; with nothing read ahead, a chunk may always be
+        read."""
+        if not self._raw_per_sample:
+            return self.config.memory_limit  # nothing arrived yet: one chunk at a time
         per_sample = self._result_per_sample or self._raw_per_sample
+        window = self.config.decode_window * self.config.steps_per_chunk * self._samples_per_step
         idle = self._blocks.idle_bytes if self._blocks is not None else 0
-        return self._held + idle + int(self._ahead * per_sample)
+        raw = max(self._raw, int(self._ahead * self._raw_per_sample))  # reads in flight too
+        return raw + idle + max(self._results, int(window * per_sample))
 
     def reading(self, pending: Pending, count: int) -> None:
         pending.ahead += count
@@ -249,7 +266,7 @@ class Pass:
     def hold(self, pending: Pending, raw: Any) -> None:
         size = estimate_bytes(raw)
         pending.held += size
-        self._held += size
+        self._raw += size
         self._raw_per_sample = _averaged(self._raw_per_sample, size, 64)
         self._progress_at = now()
 
@@ -261,7 +278,7 @@ class Pass:
         self._release(pending)
 
     def _release(self, pending: Pending) -> None:
-        self._held -= pending.held
+        self._raw -= pending.held
         self._ahead -= pending.ahead
         self._room_changed.set()
         self._stage_changed.set()
@@ -311,7 +328,10 @@ class Pass:
         if not self._ready:
             return False
         window = self.config.decode_window
-        over = self._committed() >= self.config.memory_limit  # a result would add to it
+        per_chunk = (self._result_per_sample or self._raw_per_sample) * (
+            self.config.steps_per_chunk * self._samples_per_step)
+        # results held, and those the chunks being decoded will bring
+        over = self._held + self._decoding * per_chunk >= self.config.memory_limit
         if self.config.ordered:
             first_step = self._ready[0][0]
             if first_step == self._handover.next_step:
@@ -334,7 +354,7 @@ class Pass:
             self._decoding -= 1
             self._release(pending)
         self._progress_at = moment = now()
-        self._held += held
+        self._results += held
         if pending.indices:
             per_sample = held / len(pending.indices)
             self._result_per_sample = _averaged(self._result_per_sample, per_sample, 8)
