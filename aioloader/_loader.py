@@ -36,6 +36,7 @@ from ._runtime.pool import DecodePool
 from ._runtime.sources import PlannedSource, StreamSource
 from ._runtime.transport import BlockPool
 from ._runtime.worker import DecodeSpec, takes_rng
+from ._runtime.zygote import Zygote
 from ._sampling import (
     EpochPlan,
     ShardInfo,
@@ -232,6 +233,10 @@ class Loader(Closing, AsyncClosing):
         self._worker_init = worker_init
         if num_workers and executor is None:
             self._check_serialisable()
+            # start the helper that forks decode processes now, while the caller builds the
+            # rest of the job: the first pass need not wait for it
+            threading.Thread(target=_start_zygote, name="aioloader-zygote-start",
+                             daemon=True).start()
         self._epoch = 0
         self._position = 0
         """Global position in the epoch's order of the last batch handed over."""
@@ -394,7 +399,7 @@ class Loader(Closing, AsyncClosing):
                              self.drop_last, start)
             source = PlannedSource(self.dataset, plan, config.steps_per_chunk,
                                    config.skip_errors, self.cache, reads, stats)
-        decoder, owned_pool = await self._decoder(epoch)
+        decoder = self._decoder(epoch)
         side_tasks = []
         if self.auto_concurrency:
             tuner = autotune.Tuner(
@@ -415,26 +420,25 @@ class Loader(Closing, AsyncClosing):
             return call_with_shard_info(info, start_with_storage)
 
         return Pass(config, source, decoder, self._blocks, stats, storage, in_context,
-                    owned_pool, side_tasks)
+                    side_tasks)
 
-    async def _decoder(self, epoch: int) -> tuple[Decoder, DecodePool | None]:
+    def _decoder(self, epoch: int) -> Decoder:
         if self.executor is not None:
-            return ExecutorDecoder(self._spec, self.executor), None
+            return ExecutorDecoder(self._spec, self.executor)
         if not self.num_workers or self._nothing_to_decode():
-            return InlineDecoder(self._spec), None
+            return InlineDecoder(self._spec)
         base_seed = int(
             np.random.SeedSequence([self.seed, epoch], spawn_key=(2,)).generate_state(1)[0]
         )
-        if self.persistent_workers:
-            pool = await off_loop(self._holder.get, self, base_seed)
-            owned = None
-        else:
-            pool = owned = await off_loop(
-                DecodePool, self._spec, self.num_workers, base_seed, self._worker_init
-            )
-        decoder = PoolDecoder(pool, self.decode_timeout, self.max_worker_restarts,
-                              self.on_error == "skip", self._worker_restarted)
-        return decoder, owned
+
+        def get_pool() -> DecodePool:
+            if self.persistent_workers:
+                return self._holder.get(self, base_seed)
+            return DecodePool(self._spec, self.num_workers, base_seed, self._worker_init)
+
+        return PoolDecoder(get_pool, not self.persistent_workers, self.decode_timeout,
+                           self.max_worker_restarts, self.on_error == "skip",
+                           self._worker_restarted)
 
     def _nothing_to_decode(self) -> bool:
         """No decode, no augment, no cache, nothing read in the workers, the default collate
@@ -523,6 +527,11 @@ class Loader(Closing, AsyncClosing):
             running.fail(LoaderError("the Loader was closed while a pass was running"))
             await self._close_pass(running)
         await off_loop(self.close)
+
+
+def _start_zygote() -> None:
+    with contextlib.suppress(Exception):  # a failure shows, with its cause, at the first pass
+        Zygote.get()
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

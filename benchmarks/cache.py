@@ -19,7 +19,7 @@ from benchmarks_common import samples_per_second
 from PIL import Image
 
 import aioloader
-from aioloader._tools.demo import CROP, MEAN, STD, make_images
+from aioloader._tools.images import CROP, MEAN, STD, make_images
 
 
 def decode_jpeg(item: tuple[bytes, int]) -> tuple[np.ndarray, int]:

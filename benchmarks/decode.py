@@ -22,7 +22,7 @@ import numpy as np
 from benchmarks_common import LocalImages, RemoteImages, samples_per_second
 
 import aioloader
-from aioloader._tools.demo import decode_and_augment, make_images
+from aioloader._tools.images import decode_and_augment, make_images
 from aioloader.testing import TestServer
 
 BATCH = 64

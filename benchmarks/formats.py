@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks_common import samples_per_second
 
 import aioloader
-from aioloader._tools.demo import make_images
+from aioloader._tools.images import make_images
 from aioloader._tools.packing import ImageOptions, pack_recordio, pack_tar
 from aioloader.testing import TestServer
 

@@ -9,7 +9,7 @@ written by its own writer and uploaded to moto's S3 server on 127.0.0.1. A proxy
 (benchmarks/peers_s3.py) adds a first-byte latency to every request, answers GETs of the
 uploaded bodies from the local files (moto costs ~3 ms of CPU per GET: one-object-per-sample
 rows would measure moto) and counts requests. Every loader runs the same decode and augment
-(`aioloader._tools.demo.decode_and_augment`: JPEG decode, random resized crop 224, flip, float32
+(`aioloader._tools.images.decode_and_augment`: JPEG decode, random resized crop 224, flip, float32
 normalise), in 2 processes, batch 64, shuffle on, persistent workers, each loader in a fresh
 process of its own; LitData's and Mosaic's local caches live in a temporary folder that is
 emptied before epoch 1 and kept for epoch 2, as they are designed to be used.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aioloader._tools.demo import make_images
+from aioloader._tools.images import make_images
 
 DIMENSIONS = (500, 375)
 

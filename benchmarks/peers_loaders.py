@@ -24,7 +24,7 @@ import psutil
 from peers_formats import import_streaming_base
 from peers_s3 import read_stats
 
-from aioloader._tools.demo import decode_and_augment
+from aioloader._tools.images import decode_and_augment
 
 BATCH = 64
 WORKERS = 2

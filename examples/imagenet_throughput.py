@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from aioloader import recordio, vision
-from aioloader._tools.demo import make_images
+from aioloader._tools.images import make_images
 from aioloader._tools.packing import pack_recordio
 from aioloader.testing import TestServer
 

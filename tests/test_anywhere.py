@@ -544,7 +544,9 @@ paths = sorted(str(p) for p in Path(sys.argv[1]).glob("*.bin"))
 
 def worker_init(worker_id):
     info = aioloader.get_worker_info()
-    print("worker_init", worker_id, info.id, info.num_workers, os.getpid(), flush=True)
+    # a file of its own: a line printed to stdout could land inside the script's long lines
+    record = Path(sys.argv[3]) / f"init-{{os.getpid()}}"
+    record.write_text(f"worker_init {{worker_id}} {{info.id}} {{info.num_workers}} {{os.getpid()}}")
 
 
 def decode(raw):
@@ -559,10 +561,11 @@ for epoch in range({EPOCHS}):
 """
 
 
-def _worker_inits(out: str) -> list[tuple[int, int]]:
+def _worker_inits(folder: Path) -> list[tuple[int, int]]:
     """(worker id, pid) of each worker_init call, checking what get_worker_info() said."""
     calls = []
-    for line in out.splitlines():
+    for record in folder.glob("init-*"):
+        line = record.read_text()
         if line.startswith("worker_init "):
             worker_id, info_id, num_workers, pid = map(int, line.split()[1:])
             assert info_id == worker_id and num_workers == 2, line
@@ -575,9 +578,11 @@ def test_worker_init_from_an_unguarded_script_runs_once_per_decode_process(
     tmp_path: Path, sample_dir: Path, leak_check: None, mode: str, processes: int
 ) -> None:
     script = write_script(tmp_path, "init.py", WORKER_INIT_SCRIPT)
-    out = run_python([str(script), str(sample_dir), mode], tmp_path)
+    records = tmp_path / "inits"
+    records.mkdir()
+    out = run_python([str(script), str(sample_dir), mode, str(records)], tmp_path)
     assert out.count(MARKER) == 1, out
-    inits = _worker_inits(out)
+    inits = _worker_inits(records)
     assert len(inits) == processes
     worker_of = dict((pid, worker_id) for worker_id, pid in inits)
     assert len(worker_of) == processes  # once per process

@@ -9,6 +9,7 @@ import functools
 import itertools
 import pickle
 import signal
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -134,13 +135,16 @@ class PoolDecoder:
 
     def __init__(
         self,
-        pool: DecodePool,
+        get_pool: Callable[[], DecodePool],
+        owns_pool: bool,
         decode_timeout: float | None,
         max_restarts: int,
         skip_errors: bool,
         on_restart: Callable[[str], None],
     ) -> None:
-        self._pool = pool
+        self._get_pool = get_pool
+        self._owns_pool = owns_pool
+        self._pool_or_none: DecodePool | None = None
         self._timeout = decode_timeout
         self._max_restarts = max_restarts
         self._skip_errors = skip_errors
@@ -155,16 +159,31 @@ class PoolDecoder:
         self._held: list[DecodeProcess] = []
         self.restarts = 0
         self.timeouts = 0
-        pool.listen(self._on_message, self._loop)
-        if decode_timeout is not None:
-            self._spawn(self._watch_deadlines())
+        self._let_go = False
+        self._starting = self._loop.create_task(self._start(), name="aioloader-pool-start")
 
-    async def start(self) -> None:
-        """Replace processes that a previous pass left dead or retired."""
-        for process in list(self._pool.processes):
+    async def _start(self) -> None:
+        """Get the pool (starting its processes off the loop, while the pass already reads),
+        and replace processes that a previous pass left dead or retired."""
+        pool = await off_loop(self._get_pool)
+        if self._let_go:  # the pass was dropped while the processes started
+            if self._owns_pool:
+                threading.Thread(target=pool.close, name="aioloader-pool-close",
+                                 daemon=True).start()
+            return
+        self._pool_or_none = pool
+        pool.listen(self._on_message, self._loop)
+        if self._timeout is not None:
+            self._spawn(self._watch_deadlines())
+        for process in list(pool.processes):
             if process.retired or not process.alive:
-                await off_loop(self._pool.replace, process)
+                await off_loop(pool.replace, process)
         self._dispatch()
+
+    @property
+    def _pool(self) -> DecodePool:
+        assert self._pool_or_none is not None, "the pool is used only once it is up"
+        return self._pool_or_none
 
     def _spawn(self, coroutine: object) -> None:
         task = asyncio.ensure_future(coroutine)  # type: ignore[call-overload]
@@ -172,6 +191,7 @@ class PoolDecoder:
         task.add_done_callback(self._tasks.discard)
 
     async def decode(self, chunk: Chunk) -> ChunkResult:
+        await asyncio.shield(self._starting)  # raises if the processes could not start
         if self._failure is not None:
             raise self._failure
         job = _Job(next(self._ids), chunk, self._loop.create_future())
@@ -310,6 +330,8 @@ class PoolDecoder:
         self._spawn(self._replace(process))
 
     def in_flight(self) -> list[tuple[float, str]]:
+        if self._pool_or_none is None:
+            return []
         moment = now()
         return [
             (moment - queue[0].started, f"samples {short_list(queue[0].chunk.indices)} in "
@@ -319,25 +341,36 @@ class PoolDecoder:
 
     def _release(self) -> list[DecodeProcess]:
         """Stop listening; kill the processes still holding chunks of this pass."""
-        self._pool.listen(None)
+        self._let_go = True
         for task in self._tasks:
             task.cancel()
-        busy = [self._pool.processes[i] for i, queue in self._assigned.items() if queue]
-        for process in busy:
-            process.retire()
         for job in [*self._waiting, *(j for q in self._assigned.values() for j in q)]:
             job.future.cancel()
+        pool = self._pool_or_none
+        if pool is None:
+            return []
+        pool.listen(None)
+        busy = [pool.processes[i] for i, queue in self._assigned.items() if queue]
+        for process in busy:
+            process.retire()
         return busy
 
     def abandon(self) -> None:
         self._release()
+        pool = self._pool_or_none
+        if self._owns_pool and pool is not None:
+            threading.Thread(target=pool.close, name="aioloader-pool-close", daemon=True).start()
 
     async def aclose(self) -> None:
+        with contextlib.suppress(Exception):  # let a start under way finish: it owns a pool
+            await asyncio.shield(self._starting)
         busy = self._release()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for process in busy:  # its blocks may be dropped only once it surely stopped writing
             await off_loop(self._pool.exit_status, process, STATUS_WAIT)
+        if self._owns_pool and self._pool_or_none is not None:
+            await off_loop(self._pool_or_none.close)
 
 
 def warn_restart(message: str) -> None:

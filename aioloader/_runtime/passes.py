@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-import threading
 import warnings
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -27,10 +26,8 @@ from typing import Any, Protocol
 from .._errors import LoaderError, RemoteTraceback, SampleError, StallError
 from .._stats import LoaderStats, now
 from ..storage._storage import Storage
-from .blocking import off_loop
 from .decoders import Decoder
 from .handover import EMPTY, Failed, Finished, Handover
-from .pool import DecodePool
 from .sources import SKIPPED, Pending, estimate_bytes
 from .transport import BlockPool, Slot
 from .worker import Chunk, ChunkResult
@@ -76,7 +73,6 @@ class Pass:
         stats: LoaderStats,
         storage: Storage,
         run_in_context: Callable[[Callable[[], asyncio.Task[None]]], asyncio.Task[None]],
-        owned_pool: DecodePool | None = None,
         side_tasks: list[Coroutine[Any, Any, None]] | None = None,
     ) -> None:
         self.config = config
@@ -86,7 +82,6 @@ class Pass:
         self._stats = stats
         self._storage = storage
         self._run_in_context = run_in_context
-        self._owned_pool = owned_pool
         self._side_tasks = side_tasks or []
         self._loop = asyncio.get_running_loop()
         self._handover = Handover(config.ordered)
@@ -124,9 +119,6 @@ class Pass:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        start = getattr(self._decoder, "start", None)
-        if start is not None:
-            await start()
         self._tasks.add(self._run_in_context(lambda: self._spawn(self._feed(), "feed")))
         self._spawn(self._decode_stage(), "decode")
         self._spawn(self._watch(), "watchdog")
@@ -157,9 +149,6 @@ class Pass:
         if self._blocks is not None:
             for name in self._lent:
                 self._blocks.retire_later(name)
-        if self._owned_pool is not None:
-            threading.Thread(target=self._owned_pool.close, name="aioloader-pool-close",
-                             daemon=True).start()
         with contextlib.suppress(RuntimeError):  # the loop is gone: the session goes with it
             self._loop.create_task(self._storage.aclose())
 
@@ -177,8 +166,6 @@ class Pass:
             if self._blocks is not None:
                 for name in self._lent:
                     self._blocks.retire(name)
-            if self._owned_pool is not None:
-                await off_loop(self._owned_pool.close)
         finally:
             await self._storage.aclose()
 

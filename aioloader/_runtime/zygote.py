@@ -268,9 +268,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, _exit_on_term)
     control = socket.socket(fileno=int(sys.argv[1]))
-    import numpy  # noqa: F401  (preloaded for every decode process)
+    from . import worker  # noqa: F401  (with numpy and cloudpickle: what every decode process runs)
 
-    import aioloader  # noqa: F401
-
+    preload(["PIL.Image"])  # most decode functions decode images; later, what they were seen to use
     _Server(control, int(sys.argv[2])).serve()
 

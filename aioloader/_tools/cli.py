@@ -317,7 +317,7 @@ def _pack(args: argparse.Namespace) -> None:
 
 
 def _make_images(args: argparse.Namespace) -> None:
-    from .demo import make_images
+    from .images import make_images
 
     made = make_images(args.folder, args.count, by_class=True)
     print(f"{len(made)} JPEGs in {args.folder}")
