@@ -7,7 +7,7 @@ PIP := $(BIN)/python -m pip install --quiet
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install system-deps demo test lint bench soak clean
+.PHONY: install system-deps demo test lint bench bench-peers soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,12 +49,32 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/remote_latency.py
+	$(BIN)/python benchmarks/tail_latency.py
 	$(BIN)/python benchmarks/formats.py
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/from_torch.py
 	$(BIN)/python benchmarks/cache.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/reduced_decode.py
 
+# the streaming loaders aioloader is compared with, and HF datasets, in a venv of their own
+PEERS := .venv-peers
+$(PEERS)/.installed: benchmarks/peers-requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS)/bin/python -m pip install --quiet torch==2.13.0
+	echo torch==2.13.0 > $(PEERS)/constraints.txt
+	$(PEERS)/bin/python -m pip install --quiet -c $(PEERS)/constraints.txt \
+		-r benchmarks/peers-requirements.txt
+	$(PEERS)/bin/python -m pip uninstall --quiet -y torchvision
+	$(PEERS)/bin/python -m pip install --quiet -c $(PEERS)/constraints.txt -e '.[s3,image,parquet]'
+	touch $@
+
+bench-peers: $(PEERS)/.installed
+	$(PEERS)/bin/python benchmarks/peers.py
+	$(PEERS)/bin/python benchmarks/parquet.py
+	$(PEERS)/bin/python benchmarks/shuffle_quality.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .pytest_cache .mypy_cache .ruff_cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -66,10 +67,9 @@ S3_ENVIRONMENT = {
 }
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server in its own process on 127.0.0.1; AWS_* variables point at it."""
-    pytest.importorskip("obstore")
+@contextlib.contextmanager
+def moto_server(environment: dict[str, str] | None = None) -> Iterator[str]:
+    """moto's S3 server in its own process on 127.0.0.1 (a free port); its endpoint URL."""
     pytest.importorskip("moto")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -77,20 +77,30 @@ def s3_endpoint() -> Iterator[str]:
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**os.environ, **(environment or {})},
     )
-    endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in [*S3_ENVIRONMENT, "AWS_ENDPOINT_URL"]}
-    os.environ.update(S3_ENVIRONMENT, AWS_ENDPOINT_URL=endpoint)
     try:
         deadline = time.monotonic() + 30
         while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
             if time.monotonic() > deadline or server.poll() is not None:
                 pytest.fail("moto's S3 server did not start")
             time.sleep(0.1)
-        yield endpoint
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
         server.wait(10)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server; AWS_* variables point at it."""
+    pytest.importorskip("obstore")
+    saved = {k: os.environ.get(k) for k in [*S3_ENVIRONMENT, "AWS_ENDPOINT_URL"]}
+    try:
+        with moto_server() as endpoint:
+            os.environ.update(S3_ENVIRONMENT, AWS_ENDPOINT_URL=endpoint)
+            yield endpoint
+    finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import io
-import os
-import socket
-import subprocess
-import sys
 import tarfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +15,7 @@ import aioloader
 from aioloader import FetchError, recordio
 from aioloader.storage._storage import Storage
 
+from conftest import moto_server
 from decoders import SAMPLE_COUNT, index_of, sample_bytes
 
 DATA = Path(__file__).parent / "data"
@@ -86,24 +82,8 @@ def test_tar_shards_stream_from_s3(bucket: str) -> None:
 @pytest.fixture(scope="module")
 def locked_endpoint(s3_endpoint: str) -> Iterator[str]:
     """A second moto server, one that checks credentials: it knows none, so it refuses all."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-            if time.monotonic() > deadline or server.poll() is not None:
-                pytest.fail("the credential-checking moto server did not start")
-            time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
-        server.wait(10)
+    with moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as endpoint:
+        yield endpoint
 
 
 async def attempt(reads: Storage, how: str, url: str) -> None:

@@ -45,14 +45,8 @@ class Decoder(Protocol):
         ...
 
 
-class InlineDecoder:
-    """num_workers=0: decode in the event loop's thread, for debugging with pdb."""
-
-    def __init__(self, spec: DecodeSpec) -> None:
-        self._spec = spec
-
-    async def decode(self, chunk: Chunk) -> ChunkResult:
-        return run_chunk(self._spec, chunk)
+class _HoldsNothing:
+    """A decoder with no processes of its own: nothing to watch or to release."""
 
     def in_flight(self) -> list[tuple[float, str]]:
         return []
@@ -62,6 +56,16 @@ class InlineDecoder:
 
     async def aclose(self) -> None:
         return
+
+
+class InlineDecoder(_HoldsNothing):
+    """num_workers=0: decode in the event loop's thread, for debugging with pdb."""
+
+    def __init__(self, spec: DecodeSpec) -> None:
+        self._spec = spec
+
+    async def decode(self, chunk: Chunk) -> ChunkResult:
+        return run_chunk(self._spec, chunk)
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,7 +79,7 @@ def run_pickled_chunk(spec: bytes, chunk: Chunk) -> ChunkResult:
     return run_chunk(_spec_from(spec), chunk)
 
 
-class ExecutorDecoder:
+class ExecutorDecoder(_HoldsNothing):
     """Decoding on an executor the caller owns (a Dask cluster's, say); it stays open."""
 
     def __init__(self, spec: DecodeSpec, executor: Executor) -> None:
@@ -86,15 +90,6 @@ class ExecutorDecoder:
         return await asyncio.wrap_future(
             self._executor.submit(run_pickled_chunk, self._spec, chunk)
         )
-
-    def in_flight(self) -> list[tuple[float, str]]:
-        return []
-
-    def abandon(self) -> None:
-        return
-
-    async def aclose(self) -> None:
-        return
 
 
 @dataclass(eq=False)
