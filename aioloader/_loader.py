@@ -445,8 +445,7 @@ class Loader(Closing, AsyncClosing):
         and no worker_init: sending raw items to a process and back would cost more than
         collating them here."""
         spec = self._spec
-        return (spec.decode is None and spec.augment is None and spec.cache is None
-                and spec.load is None and spec.collate in (None, default_collate)
+        return (spec.passes_through and spec.collate in (None, default_collate)
                 and self._worker_init is None)
 
     def _use_concurrency(self, limit: int) -> None:

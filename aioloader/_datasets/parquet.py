@@ -59,16 +59,6 @@ class _Share:
         return [self.groups[i : i + self.window] for i in range(0, len(self.groups), self.window)]
 
 
-@dataclass(frozen=True)
-class _WindowKeys:
-    """Where the rows of the window being yielded come from, for `key`."""
-
-    info: ShardInfo
-    start: int
-    groups: npt.NDArray[np.int64]
-    rows: npt.NDArray[np.int64]
-
-
 class Parquet(Stream):
     """The rows of Parquet files (local paths, file://, http(s)://, s3://, brace patterns); each
     sample is a dict of column name to value.
@@ -118,7 +108,6 @@ class Parquet(Stream):
         ]
         self._groups = [(f, g) for f, g, rows in groups if rows]
         self._group_rows = np.array([rows for _, _, rows in groups if rows], dtype=np.int64)
-        self._window_keys: _WindowKeys | None = None
 
     def __len__(self) -> int:
         """This rank's rows in the current epoch, from the footers alone."""
@@ -132,44 +121,54 @@ class Parquet(Stream):
         info = get_shard_info()
         share = self._share(info)
         windows = share.windows()
-        first, skip = 0, position
-        while first < len(windows) and skip >= (rows := self._rows_of(windows[first])):
-            first, skip = first + 1, skip - rows
+        first, skip = self._window_at(windows, position)
         remaining = share.rows - position
         groups = [g for window in windows[first:] for g in window]
         async with aclosing(self._read_ahead(groups)) as decoded:
             for index in range(first, len(windows)):
                 if remaining <= 0:
                     return
-                window = windows[index]
-                parts = [await anext(decoded) for _ in window]
-                sizes = self._group_rows[window]
-                order = np.arange(int(sizes.sum()))
-                if info.shuffle:
-                    sequence = np.random.SeedSequence(
-                        [info.seed, info.epoch], spawn_key=(_WINDOW_ORDER, info.rank, index)
-                    )
-                    order = np.random.default_rng(sequence).permutation(order)
-                order = order[skip : skip + remaining]
-                part_of = np.repeat(np.arange(len(window)), sizes)[order]
-                row_of = order - (np.cumsum(sizes) - sizes)[part_of]
-                self._window_keys = _WindowKeys(
-                    info, share.rows - remaining, np.array(window)[part_of], row_of
-                )
-                skip, remaining = 0, remaining - len(order)
+                parts = [await anext(decoded) for _ in windows[index]]
+                part_of, row_of = self._window_rows(info, windows[index], index)
+                part_of = part_of[skip : skip + remaining]
+                row_of = row_of[skip : skip + remaining]
+                skip, remaining = 0, remaining - len(part_of)
                 for part, row in zip(part_of.tolist(), row_of.tolist(), strict=True):
                     yield parts[part].row(row)
 
     def key(self, item: Any, position: int) -> str:
-        """`url#rowgroup/row` for the rows of the window being read (the loader asks as it
-        receives them)."""
-        keys = self._window_keys
-        if keys is not None and keys.info == get_shard_info():
-            at = position - keys.start
-            if 0 <= at < len(keys.groups):
-                file, group = self._groups[int(keys.groups[at])]
-                return f"{self._files[file].url}#{group}/{int(keys.rows[at])}"
-        return f"row {position} of this rank's share"
+        """`url#rowgroup/row`, worked out again from the position (errors only need it)."""
+        info = get_shard_info()
+        share = self._share(info)
+        if not 0 <= position < share.rows:
+            return f"row {position} of this rank's share"
+        windows = share.windows()
+        index, at = self._window_at(windows, position)
+        part_of, row_of = self._window_rows(info, windows[index], index)
+        file, group = self._groups[windows[index][int(part_of[at])]]
+        return f"{self._files[file].url}#{group}/{int(row_of[at])}"
+
+    def _window_at(self, windows: list[list[int]], position: int) -> tuple[int, int]:
+        """The window holding row `position` of the share, and the row's place in it."""
+        index = 0
+        while index < len(windows) and position >= (rows := self._rows_of(windows[index])):
+            index, position = index + 1, position - rows
+        return index, position
+
+    def _window_rows(
+        self, info: ShardInfo, window: list[int], index: int
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """The window's rows in yielding order: for each, its row group's place in the window
+        and its row in that group."""
+        sizes = self._group_rows[window]
+        order = np.arange(int(sizes.sum()))
+        if info.shuffle:
+            sequence = np.random.SeedSequence(
+                [info.seed, info.epoch], spawn_key=(_WINDOW_ORDER, info.rank, index)
+            )
+            order = np.random.default_rng(sequence).permutation(order)
+        part_of = np.repeat(np.arange(len(window)), sizes)[order]
+        return part_of, order - (np.cumsum(sizes) - sizes)[part_of]
 
     def _rows_of(self, groups: list[int]) -> int:
         return int(self._group_rows[groups].sum())

@@ -219,11 +219,13 @@ class Pass:
 
     # -- what the source sees (the Work protocol) ------------------------------------------------
 
-    async def room(self) -> None:
+    def has_room(self) -> bool:
         config = self.config
-        while self._ahead and (
-            self._committed() >= config.memory_limit or self._ahead >= config.read_ahead
-        ):
+        return not self._ahead or (
+            self._committed() < config.memory_limit and self._ahead < config.read_ahead)
+
+    async def room(self) -> None:
+        while not self.has_room():
             self._room_changed.clear()
             await self._room_changed.wait()
 
@@ -250,10 +252,10 @@ class Pass:
         pending.ahead += count
         self._ahead += count
 
-    def hold(self, pending: Pending, raw: Any) -> None:
+    def hold(self, pending: Pending, raw: Any, weight: int = 1) -> None:
         size = estimate_bytes(raw)
-        pending.held += size
-        self._raw += size
+        pending.held += size * weight
+        self._raw += size * weight
         self._raw_per_sample = _averaged(self._raw_per_sample, size, 64)
         self._progress_at = now()
 

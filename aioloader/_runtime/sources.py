@@ -27,6 +27,8 @@ from .worker import one_line
 
 SKIPPED = object()
 """The raw item of a sample whose fetch failed with on_error="skip"."""
+HOLD_SAMPLE = 8
+"""A stream's items are weighed one in this many, for the memory limit."""
 
 
 @dataclass(eq=False)
@@ -37,8 +39,8 @@ class Pending:
     steps: int
     indices: list[int]
     raws: list[Any]
-    keys: list[str] | None = None
-    """Streams name their items as they come; map-style data is asked on demand."""
+    first_item: int | None = None
+    """Streams: the position of the chunk's first item in this rank's stream (for keys)."""
     missing: int = 0
     held: int = 0
     """Bytes of raw items held, counted against the memory limit."""
@@ -58,8 +60,12 @@ class Work(Protocol):
     def reading(self, pending: Pending, count: int) -> None:
         """`count` more samples of `pending` are being read ahead of the decode stage."""
 
-    def hold(self, pending: Pending, raw: Any) -> None:
-        """Count a raw item's bytes against the memory limit until its chunk is decoded."""
+    def has_room(self) -> bool:
+        """Whether reading more is allowed now (room() without awaiting)."""
+
+    def hold(self, pending: Pending, raw: Any, weight: int = 1) -> None:
+        """Count a raw item's bytes (times `weight`, for items weighed one in many) against
+        the memory limit until its chunk is decoded."""
 
     def complete(self, pending: Pending) -> None:
         """Hand a chunk whose raws are all in to the decode stage."""
@@ -266,18 +272,22 @@ class StreamSource:
         return self._start + steps_done * self._step_size
 
     def key(self, pending: Pending, position: int) -> str:
-        assert pending.keys is not None
-        return pending.keys[position]
+        """Named only when an error needs it: a stream's items can come by the hundred
+        thousand a second."""
+        assert pending.first_item is not None
+        return self.stream.key(pending.raws[position], pending.first_item + position)
 
     def _new(self, first_step: int) -> Pending:
-        return Pending(first_step, self._steps_per_chunk, [], [], keys=[])
+        return Pending(first_step, self._steps_per_chunk, [], [], first_item=self._count)
 
     async def feed(self, work: Work) -> None:
         pending = self._new(0)
         items = self.stream.iter_from(self._start) if self._start else _items(self.stream)
+        waited = 0.0
         async with aclosing(items):
             while True:
-                await work.room()
+                if not work.has_room():
+                    await work.room()
                 self._pulling_since = started = now()
                 try:
                     item = await anext(items)
@@ -285,22 +295,30 @@ class StreamSource:
                     break
                 finally:
                     self._pulling_since = None
-                self._stats.fetch.add(now() - started)
-                assert pending.keys is not None
+                waited += now() - started
                 pending.indices.append(self._count * self._world_size + self._rank)
-                pending.keys.append(self.stream.key(item, self._count))
                 pending.raws.append(item)
                 self._count += 1
-                work.reading(pending, 1)
-                work.hold(pending, item)
+                if len(pending.raws) % HOLD_SAMPLE == 1:  # a sample of sizes is enough
+                    work.hold(pending, item, HOLD_SAMPLE)
                 if len(pending.raws) == self._chunk_size:
-                    work.complete(pending)
+                    self._complete(pending, work, waited)
+                    waited = 0.0
                     pending = self._new(pending.first_step + self._steps_per_chunk)
         if pending.raws and self._keep_partial:
             pending.steps = -(-len(pending.raws) // self._step_size)
-            work.complete(pending)
+            self._complete(pending, work, waited)
         elif pending.raws:
+            work.reading(pending, len(pending.raws))
             work.drop(pending)
+
+    def _complete(self, pending: Pending, work: Work, waited: float) -> None:
+        """Account a full chunk at once: per-item book-keeping is what limits a fast stream."""
+        count = len(pending.raws)
+        for _ in range(count):
+            self._stats.fetch.add(waited / count)
+        work.reading(pending, count)
+        work.complete(pending)
 
     def oldest_read(self) -> tuple[float, str] | None:
         if self._pulling_since is None:

@@ -100,6 +100,12 @@ class DecodeSpec:
         object.__setattr__(self, "wants_rng", takes_rng(self.decode))
         object.__setattr__(self, "augment_wants_rng", takes_rng(self.augment))
 
+    @property
+    def passes_through(self) -> bool:
+        """Nothing to run per sample: raw items are the samples, only collated."""
+        return (self.decode is None and self.augment is None and self.load is None
+                and self.cache is None)
+
     def sample(self, epoch: int, index: int, raw: Any) -> Any:
         """Decode (or take from the cache), then augment: one sample, as the loader gives it."""
         if isinstance(raw, CachedSample):
@@ -166,8 +172,8 @@ def run_chunk(
     when given and the collate is the default one); errors become data, not raises."""
     info = _worker_info
     result = ChunkResult([], [], process="inline" if info is None else f"decode {info.id}")
-    samples: list[Any] = []
-    for position, outcome in enumerate(_outcomes(spec, chunk)):
+    samples: list[Any] = list(chunk.raws) if spec.passes_through else []
+    for position, outcome in enumerate([] if spec.passes_through else _outcomes(spec, chunk)):
         if isinstance(outcome, _Failure):
             if not spec.skip_errors:
                 result.failure = (chunk.indices[position], outcome.reason, outcome.traceback)
