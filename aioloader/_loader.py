@@ -35,7 +35,7 @@ from ._runtime.passes import END, Pass, PassConfig
 from ._runtime.pool import DecodePool
 from ._runtime.sources import PlannedSource, StreamSource
 from ._runtime.transport import BlockPool
-from ._runtime.worker import DecodeSpec, takes_rng
+from ._runtime.worker import DecodeSpec, packages_behind, takes_rng
 from ._runtime.zygote import Zygote
 from ._sampling import (
     EpochPlan,
@@ -232,11 +232,11 @@ class Loader(Closing, AsyncClosing):
         )
         self._worker_init = worker_init
         if num_workers and executor is None:
-            self._check_serialisable()
-            # start the helper that forks decode processes now, while the caller builds the
-            # rest of the job: the first pass need not wait for it
-            threading.Thread(target=_start_zygote, name="aioloader-zygote-start",
-                             daemon=True).start()
+            packages = packages_behind(self._check_serialisable())
+            # start the helper that forks decode processes now, with what decode imports,
+            # while the caller builds the rest of the job: the first pass need not wait for it
+            threading.Thread(target=_start_zygote, args=(packages,),
+                             name="aioloader-zygote-start", daemon=True).start()
         self._epoch = 0
         self._position = 0
         """Global position in the epoch's order of the last batch handed over."""
@@ -256,17 +256,19 @@ class Loader(Closing, AsyncClosing):
             )
         self._finalizer = weakref.finalize(self, _shut_down, self._holder, self._blocks)
 
-    def _check_serialisable(self) -> None:
-        """Fail here, not in a decode process, when a function cannot travel."""
+    def _check_serialisable(self) -> list[bytes]:
+        """Fail here, not in a decode process, when a function cannot travel; the pickles."""
+        pickled = []
         for name, value in (("decode", self._spec), ("worker_init", self._worker_init)):
             try:
-                dumps(value)
+                pickled.append(dumps(value))
             except Exception as e:
                 raise ValueError(
                     f"{name} cannot be sent to the decode processes: {type(e).__name__}: {e}. "
                     "It (or what it refers to) holds something that cannot be pickled, such "
                     "as an open file, a lock or a socket; or use num_workers=0."
                 ) from e
+        return pickled
 
     # -- epochs and state ------------------------------------------------------------------
 
@@ -488,7 +490,8 @@ class Loader(Closing, AsyncClosing):
                 while (item := loop.call(running.next())) is not END:
                     yield item
             finally:
-                loop.call(self._close_pass(running))
+                if loop.alive():  # not so for an iterator collected at interpreter exit
+                    loop.call(self._close_pass(running))
         finally:
             loop.stop()
 
@@ -528,9 +531,9 @@ class Loader(Closing, AsyncClosing):
         await off_loop(self.close)
 
 
-def _start_zygote() -> None:
+def _start_zygote(packages: list[str]) -> None:
     with contextlib.suppress(Exception):  # a failure shows, with its cause, at the first pass
-        Zygote.get()
+        Zygote.get().preload(packages)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -55,6 +55,10 @@ class LoopThread:
             future.cancel()  # e.g. KeyboardInterrupt: do not leave the coroutine running
             raise
 
+    def alive(self) -> bool:
+        """False once the thread ended, as it does at interpreter exit (a daemon)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)

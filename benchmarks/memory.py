@@ -27,11 +27,17 @@ def image_sized(index: int) -> np.ndarray:
     return np.full((3, 224, 224), index % 7, np.float32)
 
 
+def as_array(raw: bytes) -> np.ndarray:
+    """A decode that gives the decode processes something to do (without one, nothing is
+    sent to them)."""
+    return np.frombuffer(raw, np.uint8)
+
+
 def resident_mb() -> tuple[float, float]:
     """(main process, all decode processes) resident set in MB; shared pages count in each."""
     me = psutil.Process()
-    forkservers = [p for p in me.children() if "forkserver" in " ".join(p.cmdline())]
-    workers = [w for server in forkservers for w in server.children()]  # forked from it
+    zygotes = [p for p in me.children() if "zygote" in " ".join(p.cmdline())]
+    workers = [w for zygote in zygotes for w in zygote.children()]  # forked from it
     return me.memory_info().rss / 1e6, sum(w.memory_info().rss for w in workers) / 1e6
 
 
@@ -70,7 +76,8 @@ def worker_mb_with_keys(count: int) -> tuple[float, float]:
         sample.write(b"x" * 100)
         sample.flush()
         files = aioloader.Files(sample.name for _ in range(count))
-        loader = aioloader.Loader(files, batch_size=8, num_workers=2, shuffle=True)
+        loader = aioloader.Loader(files, decode=as_array, batch_size=8, num_workers=2,
+                                  shuffle=True)
         with loader:
             iterator = iter(loader)
             next(iterator), next(iterator)

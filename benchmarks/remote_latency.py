@@ -59,7 +59,8 @@ async def bare_aiohttp(urls: list[str], concurrency: int) -> float:
 
 
 def aioloader_rates(urls: list[str], concurrency: int, num_workers: int) -> tuple[float, float]:
-    """Two epochs: the first pays the one-time start of the forkserver, the second does not."""
+    """Two epochs: the first pays the one-time start of the zygote and the decode
+    processes, the second does not."""
     loader = aioloader.Loader(
         aioloader.Files(urls), decode=trivial_decode, batch_size=BATCH,
         concurrency=concurrency, num_workers=num_workers,

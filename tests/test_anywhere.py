@@ -760,3 +760,40 @@ def test_decode_sees_environment_variables_the_script_set(
         {"offsets": [offset], "removed": ["removed"], "samples": SAMPLE_COUNT}
         for offset in (100, 200, 300)
     ]
+
+
+# -- an iterator left open when the script ends ------------------------------------------------
+
+OPEN_ITERATOR_SCRIPT = """\
+import sys
+
+import aioloader
+from aioloader._tools.images import decode_and_augment
+
+paths = sys.argv[1:]
+loader = aioloader.Loader(aioloader.Files(paths, [0] * len(paths)), decode=decode_and_augment,
+                          batch_size=64, num_workers=2, shuffle=True)
+batches = iter(loader)
+print(len(next(batches)["label"]))
+"""
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Enough JPEGs that decode processes are still at work when a script stops early."""
+    pytest.importorskip("PIL")
+    from aioloader._tools.images import make_images
+
+    folder = tmp_path_factory.mktemp("photos")
+    return [str(folder / name) for name, _ in make_images(folder, 640, dimensions=(500, 375))]
+
+
+@pytest.mark.parametrize("closed", [True, False], ids=["loader closed", "loader left open"])
+def test_an_iterator_left_open_at_exit_prints_nothing(
+    tmp_path: Path, photos: list[str], closed: bool
+) -> None:
+    """`batches = iter(loader); next(batches)`, then the script ends (after `loader.close()`
+    or not) with decode processes still at work: no "Exception ignored" from the iterator
+    collected at interpreter exit, and no process left behind."""
+    source = OPEN_ITERATOR_SCRIPT + ("loader.close()\n" if closed else "")
+    assert run_python(["-c", source, *photos], tmp_path) == "64\n"

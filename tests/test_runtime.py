@@ -391,3 +391,28 @@ def test_packages_decode_imports_are_preloaded_for_the_next_pass(local_paths: li
         second = [bool(x) for batch in loader for x in batch]
     assert not all(first)  # the zygote did not have it
     assert all(second)  # it learnt it from the first pass's processes
+
+
+def test_the_packages_behind_a_decode_function_are_found_for_the_zygote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode function of the user's own module brings the installed packages that module
+    (and the user's modules it uses) import: the zygote imports them before forking."""
+    from aioloader._runtime.channel import dumps
+    from aioloader._runtime.worker import packages_behind
+
+    (tmp_path / "user_helpers.py").write_text("import json\n\ndef describe(x):\n    return x\n")
+    (tmp_path / "user_decoders.py").write_text(
+        "import numpy\nfrom user_helpers import describe\n\n"
+        "def decode(raw):\n    return describe(numpy.frombuffer(raw, numpy.uint8))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        import user_decoders  # type: ignore[import-not-found]
+
+        found = packages_behind([dumps(user_decoders.decode)])
+    finally:
+        sys.modules.pop("user_decoders", None)
+        sys.modules.pop("user_helpers", None)
+    assert {"numpy", "json"} <= set(found)
+    assert "user_decoders" not in found and "user_helpers" not in found

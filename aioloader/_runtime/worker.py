@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import pickletools
 import random
 import re
 import signal
@@ -22,6 +23,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, cast
 
 import numpy as np
@@ -332,19 +334,51 @@ STOP = "stop"
 def installed_packages(modules: set[str]) -> list[str]:
     """The top-level packages among `modules` that come from the Python installation
     (standard library, site-packages), not from the user's own folders."""
-    roots = {os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-             if (p := sysconfig.get_paths().get(key))}
-    found = set()
-    for name in modules:
+    roots = _installation_roots()
+    return sorted({name.partition(".")[0] for name in modules
+                   if _installed(name.partition(".")[0], roots)})
+
+
+def packages_behind(pickles: list[bytes]) -> list[str]:
+    """The installed packages that unpickling `pickles` imports: those it names, and those the
+    user's own modules it names import (followed through their globals, as importing them
+    runs their imports). The zygote imports them once, before the first decode processes
+    fork, rather than each process on its own."""
+    roots = _installation_roots()
+    todo = [arg for pickled in pickles for _, arg, _ in pickletools.genops(pickled)
+            if isinstance(arg, str) and arg in sys.modules and not arg.startswith("__")]
+    seen: set[str] = set()
+    found: set[str] = set()
+    while todo:
+        name = todo.pop()
         top = name.partition(".")[0]
-        module = sys.modules.get(top)
-        where = getattr(module, "__file__", None)
-        if top.startswith("__") or where is None:
+        if name in seen or top == "aioloader":
             continue
-        where = os.path.realpath(where)
-        if any(where.startswith(root + os.sep) for root in roots):
+        seen.add(name)
+        if _installed(top, roots):
             found.add(top)
+            continue
+        module = sys.modules.get(name)
+        for value in vars(module).values() if module is not None else ():
+            named = value.__name__ if isinstance(value, ModuleType) else getattr(
+                value, "__module__", None)
+            if isinstance(named, str) and named in sys.modules and not named.startswith("__"):
+                todo.append(named)
     return sorted(found)
+
+
+def _installation_roots() -> set[str]:
+    return {os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+            if (p := sysconfig.get_paths().get(key))}
+
+
+def _installed(top: str, roots: set[str]) -> bool:
+    module = sys.modules.get(top)
+    where = getattr(module, "__file__", None)
+    if top.startswith("__") or where is None:
+        return False
+    where = os.path.realpath(where)
+    return any(where.startswith(root + os.sep) for root in roots)
 
 
 def _start(init: Init) -> DecodeSpec:

@@ -133,6 +133,10 @@ class Zygote:
         pid: int = self._request(("spawn", preload), [channel.fileno()])
         return pid
 
+    def preload(self, packages: list[str]) -> None:
+        """Import installed packages now, before any decode process is forked."""
+        self._request(("preload", packages))
+
     def learn(self, packages: list[str]) -> None:
         """Installed packages a decode process imported: the next spawn preloads them."""
         with self._lock:
@@ -199,6 +203,9 @@ class _Server:
         if kind == "spawn":
             preload(argument)
             return self.fork(fds[0])
+        if kind == "preload":
+            preload(argument)
+            return "ok"
         if kind == "status":
             self.reap()
             return self.statuses.get(argument)
