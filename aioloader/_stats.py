@@ -6,6 +6,7 @@ is going on.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,10 +32,11 @@ class Distribution:
         self.total = 0.0
         self._recent: deque[float] = deque(maxlen=KEPT_VALUES)
 
-    def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        self._recent.append(value)
+    def add(self, value: float, times: int = 1) -> None:
+        """`value`, `times` over: a chunk read in one go counts as that many samples."""
+        self.count += times
+        self.total += value * times
+        self._recent.extend(itertools.repeat(value, times))
 
     def percentile(self, q: float) -> float:
         return float(np.percentile(np.fromiter(self._recent, float), q)) if self._recent else 0.0

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks_common import RequestsDataset, samples_per_second
-from remote_latency import BATCH, trivial_decode, write_objects
+from remote_latency import BATCH, torch_rate, trivial_decode, write_objects
 
 import aioloader
 from aioloader.testing import TestServer
@@ -32,8 +32,6 @@ def main() -> None:
                         help="objects the (slow) DataLoader reads; rate is per second anyway")
     args = parser.parse_args()
 
-    import torch.utils.data
-
     with tempfile.TemporaryDirectory() as folder:
         names = write_objects(Path(folder), args.objects)
         with TestServer(folder, latency_ms=args.latency_ms) as server:
@@ -46,11 +44,7 @@ def main() -> None:
             with loader:
                 samples_per_second(loader, len(urls), "from_torch warm-up")
                 ours = samples_per_second(loader, len(urls), "from_torch")
-            few = RequestsDataset(urls[: args.torch_objects], trivial_decode)
-            theirs = samples_per_second(
-                torch.utils.data.DataLoader(few, batch_size=BATCH, num_workers=2),
-                len(few), "DataLoader x2",
-            )
+            theirs = torch_rate(urls[: args.torch_objects], 2)
     print(f"\n{args.objects} objects x 16 KiB over HTTP, {args.latency_ms:g} ms latency, the same "
           f"Dataset (requests GET in __getitem__), batch {BATCH}, 2 processes")
     print(f"  aioloader.from_torch, io_threads={args.io_threads}  {ours:7.0f} samples/s")

@@ -200,8 +200,7 @@ class PlannedSource:
 
     def _record(self, started: float, count: int) -> None:
         ended = now()
-        for _ in range(count):
-            self._stats.fetch.add((ended - started) / count)
+        self._stats.fetch.add((ended - started) / count, count)
         self._stats.event("fetch", started, ended, "fetch")
 
     def _failed(self, pending: Pending, position: int, error: Exception) -> Any:
@@ -286,7 +285,7 @@ class StreamSource:
         waited = 0.0
         async with aclosing(items):
             while True:
-                if not work.has_room():
+                if not work.has_room():  # no coroutine per item when there is room
                     await work.room()
                 self._pulling_since = started = now()
                 try:
@@ -315,8 +314,7 @@ class StreamSource:
     def _complete(self, pending: Pending, work: Work, waited: float) -> None:
         """Account a full chunk at once: per-item book-keeping is what limits a fast stream."""
         count = len(pending.raws)
-        for _ in range(count):
-            self._stats.fetch.add(waited / count)
+        self._stats.fetch.add(waited / count, count)
         work.reading(pending, count)
         work.complete(pending)
 
