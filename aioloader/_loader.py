@@ -25,6 +25,7 @@ from ._cache import SharedCache
 from ._closing import AsyncClosing, Closing
 from ._collate import default_collate
 from ._datasets import Dataset, Stream
+from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
 from ._loopthread import LoopThread
 from ._runtime import autotune, shm
@@ -39,8 +40,11 @@ from ._runtime.worker import DecodeSpec, packages_behind, takes_rng
 from ._runtime.zygote import Zygote
 from ._sampling import (
     EpochPlan,
+    Intervals,
     ShardInfo,
+    Spawn,
     call_with_shard_info,
+    check_intervals,
     default_rank_and_world_size,
     steps_in_epoch,
 )
@@ -148,12 +152,11 @@ class Loader(Closing, AsyncClosing):
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         hedge: bool = True,
     ) -> None:
-        if not isinstance(dataset, Stream) and not (
-            hasattr(dataset, "fetch") and hasattr(dataset, "__len__")
-        ):
+        if not isinstance(dataset, (Dataset, Stream)):
             raise TypeError(
-                "dataset must be an aioloader.Dataset (__len__ and async fetch(index)) or an "
-                f"aioloader.Stream (async __aiter__), got {type(dataset).__name__}"
+                "dataset must be an aioloader.Dataset (subclass it: __len__ and async "
+                "fetch(index)) or an aioloader.Stream (async __aiter__), got "
+                f"{type(dataset).__name__}"
             )
         _check_count("batch_size", batch_size, minimum=1, allow_none=True)
         self.auto_concurrency = concurrency == "auto"
@@ -185,6 +188,8 @@ class Loader(Closing, AsyncClosing):
         _check_count("world_size", self.world_size, minimum=1)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
+        if isinstance(dataset, Dataset):
+            dataset.check_world_size(self.world_size)
         if executor is not None and worker_init is not None:
             raise ValueError("worker_init runs in the built-in decode processes; with executor=, "
                              "set up the executor's workers yourself")
@@ -239,8 +244,12 @@ class Loader(Closing, AsyncClosing):
                              name="aioloader-zygote-start", daemon=True).start()
         self._epoch = 0
         self._position = 0
-        """Global position in the epoch's order of the last batch handed over."""
+        """Where the last pass stood: the global position in the epoch's order (map-style
+        data), or the items this rank handed over (streams)."""
         self._resume_at: int | None = None
+        self._remaining: Intervals | None = None
+        """Streams divided by samples: what the last pass (or the next, when resuming) divides
+        among the ranks; None for the whole epoch."""
         self._closed = False
         self._lock = threading.Lock()
         self._pass: Pass | None = None
@@ -277,21 +286,32 @@ class Loader(Closing, AsyncClosing):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of `epoch` (its order depends on it)."""
+        """Start the next iteration at the beginning of `epoch` (its order depends on it). After
+        `load_state_dict`, setting the saved epoch keeps the saved position, as a training loop
+        that resumes and then calls `set_epoch(epoch)` for each epoch expects."""
         _check_count("epoch", epoch, minimum=0)
-        self._epoch, self._position, self._resume_at = epoch, 0, None
+        resuming = self._resume_at is not None and epoch == self._epoch
+        if not resuming:
+            self._epoch, self._position, self._resume_at, self._remaining = epoch, 0, None, None
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands: small and JSON-serialisable.
+        """Where this loader stands: small and JSON-serialisable, and the same on every rank.
 
-        Map-style data: the position in the epoch's global order, valid for any rank and any
-        world size. A stream: the items this rank handed over, and the world size, which a
-        resumed stream must keep (its share of the data depends on it).
+        Map-style data: the position in the epoch's global order. Streams divided by samples
+        (`TarShards`, `Parquet`): the positions of the epoch's sequence no rank has taken yet.
+        Both resume any rank at any world size. Other streams: the items this rank handed
+        over, and the world size, which a resumed stream must keep.
         """
         running = self._pass
         position = running.position if running is not None else self._position
         state: dict[str, Any] = {"epoch": self._epoch, "position": position}
-        if isinstance(self.dataset, Stream):
+        if isinstance(self.dataset, IndexedStream):
+            info = self._shard_info(self._epoch, self._remaining)
+            remaining = self.dataset.state_after(info, position)
+            total = int(self.dataset.unit_sizes.sum())
+            state["position"] = total - sum(end - start for start, end in remaining)
+            state["remaining"] = [list(pair) for pair in remaining]
+        elif isinstance(self.dataset, Stream):
             state["world_size"] = self.world_size
         state_at = getattr(self.dataset, "state_at", None)
         if state_at is not None:  # a mixture: where each source stands, for people to read
@@ -299,14 +319,35 @@ class Loader(Closing, AsyncClosing):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The next iteration continues the saved epoch at the saved position."""
-        if isinstance(self.dataset, Stream) and state.get("world_size") != self.world_size:
-            raise LoaderError(
-                f"this stream's state was saved with world size {state.get('world_size')}; "
-                f"a stream resumes only with the same world size, not {self.world_size}"
-            )
-        self._epoch, self._position = int(state["epoch"]), int(state["position"])
-        self._resume_at = self._position
+        """The next iteration continues the saved epoch at the saved position. A state that
+        does not fit this data (a position past the epoch, another world size for a stream
+        that needs the same) is refused here, naming what is wrong."""
+        epoch, position = _check_state(state)
+        remaining = None
+        if isinstance(self.dataset, IndexedStream):
+            total = int(self.dataset.unit_sizes.sum())
+            if "remaining" in state:
+                remaining = check_intervals(state["remaining"], total)
+            elif state.get("world_size") is not None:  # saved per rank by an older version
+                saved = ShardInfo(0, int(state["world_size"]), epoch, self.seed, self.shuffle,
+                                  self.drop_last)
+                remaining = self.dataset.state_after(saved, position)
+        elif isinstance(self.dataset, Stream):
+            if state.get("world_size") != self.world_size:
+                raise LoaderError(
+                    f"this stream's state was saved with world size {state.get('world_size')}; "
+                    f"a stream resumes only with the same world size, not {self.world_size}"
+                )
+            if isinstance(self.dataset, Sized) and position > len(self.dataset):
+                raise ValueError(f"position {position} is past this rank's "
+                                 f"{len(self.dataset)} items")
+        elif position > len(self.dataset):
+            raise ValueError(f"position {position} is past the end of the epoch "
+                             f"({len(self.dataset)} samples)")
+        if remaining is not None:  # the new division starts with nothing taken
+            position = 0
+        self._epoch, self._position, self._remaining = epoch, position, remaining
+        self._resume_at = position
 
     def __len__(self) -> int:
         """Batches per epoch for this rank (samples when batch_size is None)."""
@@ -319,8 +360,9 @@ class Loader(Closing, AsyncClosing):
         items = call_with_shard_info(self._shard_info(self._epoch), lambda: len(dataset))
         return items // step if self.drop_last else -(-items // step)
 
-    def _shard_info(self, epoch: int) -> ShardInfo:
-        return ShardInfo(self.rank, self.world_size, epoch, self.seed, self.shuffle)
+    def _shard_info(self, epoch: int, remaining: Intervals | None = None) -> ShardInfo:
+        return ShardInfo(self.rank, self.world_size, epoch, self.seed, self.shuffle,
+                         self.drop_last, remaining, self.memory_limit // 2)
 
     def _steps_per_chunk(self) -> int:
         return 1 if self.batch_size else UNBATCHED_CHUNK
@@ -378,6 +420,8 @@ class Loader(Closing, AsyncClosing):
 
     async def _build_pass(self) -> Pass:
         start = self._resume_at or 0
+        if self._resume_at is None:
+            self._remaining = None
         self._position, self._resume_at = start, None
         epoch = self._epoch
         config = self._config(epoch)
@@ -392,7 +436,7 @@ class Loader(Closing, AsyncClosing):
         source: PlannedSource | StreamSource
         if isinstance(self.dataset, Stream):
             source = StreamSource(
-                self.dataset, start, self.rank, self.world_size, self.batch_size or 1,
+                self.dataset, start, self.batch_size or 1,
                 config.steps_per_chunk, not (self.drop_last and self.batch_size), stats,
             )
         else:
@@ -410,7 +454,7 @@ class Loader(Closing, AsyncClosing):
                 self._use_concurrency,
             )
             side_tasks.append(tuner.tune())
-        info = self._shard_info(epoch)
+        info = self._shard_info(epoch, self._remaining)
 
         def in_context(start_task: Callable[[], asyncio.Task[None]]) -> asyncio.Task[None]:
             """The feed and the tasks it starts see this pass's storage and shard info."""
@@ -430,7 +474,8 @@ class Loader(Closing, AsyncClosing):
         if not self.num_workers or self._nothing_to_decode():
             return InlineDecoder(self._spec)
         base_seed = int(
-            np.random.SeedSequence([self.seed, epoch], spawn_key=(2,)).generate_state(1)[0]
+            np.random.SeedSequence([self.seed, epoch], spawn_key=(Spawn.WORKER_SEEDS,))
+            .generate_state(1)[0]
         )
 
         def get_pool() -> DecodePool:
@@ -463,7 +508,7 @@ class Loader(Closing, AsyncClosing):
             if self._pass is not running:
                 return
             if running.finished:
-                self._epoch, self._position = self._epoch + 1, 0
+                self._epoch, self._position, self._remaining = self._epoch + 1, 0, None
             else:
                 self._position = running.position
             self._pass = self._pass_loop = None
@@ -615,6 +660,18 @@ def _check_count(name: str, value: Any, minimum: int, allow_none: bool = False) 
         return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_state(state: Any) -> tuple[int, int]:
+    """The epoch and position of a saved state, or a ValueError naming what is wrong."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a loader state is the dict state_dict() gave, got {state!r}")
+    for key in ("epoch", "position"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"the state's {key!r} must be an integer >= 0, got {value!r} "
+                             f"(in {state!r})")
+    return int(state["epoch"]), int(state["position"])
 
 
 def _check_seconds(name: str, value: Any, allow_none: bool = False) -> None:

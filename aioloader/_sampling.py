@@ -12,19 +12,33 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from enum import IntEnum
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 Indices = npt.NDArray[np.int64]
+Intervals = tuple[tuple[int, int], ...]
+"""Half-open ranges [start, end) of positions, in increasing order."""
 T = TypeVar("T")
-_ORDER_STREAM = 1
-"""Spawn key that keeps the order's random stream apart from the per-sample streams."""
+
+
+class Spawn(IntEnum):
+    """Spawn keys of the random streams: each thing ordered (samples, shards, files, windows,
+    draws) gets its own, apart from the per-sample streams and from each other."""
+
+    ORDER = 1
+    WORKER_SEEDS = 2
+    SAMPLE_SEQUENCE = 3
+    FILE_ORDER = 5
+    MIX_DRAWS = 9
+    MIX_SOURCES = 10
+    """The first of the mixture's sources; source s uses MIX_SOURCES + s."""
 
 
 def epoch_order(
-    length: int, shuffle: bool, seed: int, epoch: int, stream: int = _ORDER_STREAM
+    length: int, shuffle: bool, seed: int, epoch: int, stream: int = Spawn.ORDER
 ) -> Indices:
     """0..length-1, permuted with (seed, epoch) when shuffling; `stream` keeps the orders of
     different things (samples, shards, files) independent."""
@@ -110,6 +124,13 @@ class ShardInfo:
     epoch: int
     seed: int
     shuffle: bool
+    drop_last: bool = False
+    """Streams divided by samples: cut the epoch to equal shares instead of padding it."""
+    remaining: Intervals | None = None
+    """Streams divided by samples, resumed mid-epoch: the positions of the epoch's sequence
+    that no rank has taken yet (None: all of them)."""
+    read_bytes: int | None = None
+    """What a stream may hold in reads ahead of the consumer, in bytes (None: no bound)."""
 
 
 _shard_info: contextvars.ContextVar[ShardInfo | None] = contextvars.ContextVar(
@@ -138,3 +159,136 @@ def call_with_shard_info(info: ShardInfo, function: Callable[[], T]) -> T:
         return function()
 
     return contextvars.copy_context().run(call)
+
+
+class SampleSequence:
+    """The order of an epoch of samples stored in units (tar shards, row groups): the units in
+    the epoch's order, their samples in storage order, permuted within windows of `window`
+    consecutive positions when shuffling. So neighbouring positions lie in one or two units and
+    a window is read with a few large reads; memory holds about a window.
+
+    A sample's id is its place in the units taken in file order: unit u holds ids
+    `offsets[u]` up to `offsets[u + 1]`.
+    """
+
+    def __init__(self, sizes: Indices, info: ShardInfo, window: int, stream: int) -> None:
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.total = int(self.offsets[-1])
+        self.window = max(1, window) if info.shuffle else 1
+        self._units = epoch_order(len(sizes), info.shuffle, info.seed, info.epoch, stream)
+        self._ordered_starts = np.concatenate([[0], np.cumsum(sizes[self._units])]).astype(np.int64)
+        self._seed = (info.seed, info.epoch, stream)
+
+    def ids(self, start: int, end: int) -> Indices:
+        """The sample ids at positions start..end of the sequence."""
+        if start >= end:
+            return np.empty(0, np.int64)
+        first, last = start // self.window * self.window, -(-end // self.window) * self.window
+        positions = np.arange(first, min(last, self.total), dtype=np.int64)
+        slot = np.searchsorted(self._ordered_starts, positions, side="right") - 1
+        ids = self.offsets[self._units[slot]] + positions - self._ordered_starts[slot]
+        if self.window > 1:
+            for at in range(0, len(ids), self.window):
+                seed, epoch, stream = self._seed
+                sequence = np.random.SeedSequence(
+                    [seed, epoch, (first + at) // self.window], spawn_key=(stream,))
+                np.random.default_rng(sequence).shuffle(ids[at : at + self.window])
+        return ids[start - first : end - first]
+
+    def unit_of(self, ids: Indices) -> Indices:
+        """The unit (in file order) that holds each sample id."""
+        units: Indices = np.searchsorted(self.offsets, ids, side="right") - 1
+        return units
+
+
+class Division:
+    """Each rank's share of the positions of an epoch's sequence that remain: the remaining
+    positions taken in order are cut into `world_size` contiguous ranges of equal length, so a
+    rank reads runs of neighbouring samples. Without drop_last the last range is padded with
+    the epoch's first positions (every sample is read at least once, as DistributedSampler
+    pads; a job resumed on the same world size pads as it would have); with drop_last the
+    fewer than `world_size` left over are cut (no repeats).
+
+    The positions a rank has taken after `done` items are the first `done` of its range, so
+    what remains after any step is known from the step alone: `remaining_after` gives the
+    intervals a job resumed on any world size divides again.
+    """
+
+    def __init__(self, total: int, info: ShardInfo) -> None:
+        world_size = info.world_size
+        if total == 0 or (info.drop_last and total < world_size):
+            raise ValueError(
+                f"{total} samples cannot give each of {world_size} ranks one"
+                + (" with drop_last" if info.drop_last else "")
+            )
+        self._intervals: Intervals = ((0, total),) if info.remaining is None else info.remaining
+        lengths = np.array([end - start for start, end in self._intervals], np.int64)
+        self._before = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.remaining = int(self._before[-1])
+        """What this division shares out; less than `total` when resuming (0: the epoch is
+        done)."""
+        self.per_rank = (self.remaining // world_size if info.drop_last
+                         else -(-self.remaining // world_size))
+        self._world_size = world_size
+        self._rank = info.rank
+        self._total = total
+
+    def positions(self, skip: int = 0) -> list[tuple[int, int]]:
+        """This rank's range of sequence positions after its first `skip`, as intervals."""
+        first = self._rank * self.per_rank + min(skip, self.per_rank)
+        last = (self._rank + 1) * self.per_rank
+        out = self._sequence_ranges(first, min(last, self.remaining))
+        pad = max(first, self.remaining) - self.remaining
+        while pad < last - self.remaining:  # padding: the epoch's first positions again
+            start = pad % self._total
+            stop = start + min(last - self.remaining - pad, self._total - start)
+            out.append((start, stop))
+            pad += stop - start
+        return out
+
+    def _sequence_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Remaining positions start..stop (counted among the remaining) as sequence ranges."""
+        out = []
+        slot = int(np.searchsorted(self._before, start, side="right")) - 1
+        while start < stop:
+            base, (first, last) = int(self._before[slot]), self._intervals[slot]
+            end = min(stop, base + last - first)
+            out.append((first + start - base, first + end - base))
+            start, slot = end, slot + 1
+        return out
+
+    def remaining_after(self, done: int) -> Intervals:
+        """The sequence positions no rank has taken once every rank took `done` items."""
+        done = min(done, self.per_rank)
+        kept: list[tuple[int, int]] = []
+        for rank in range(self._world_size + 1):
+            start = rank * self.per_rank + (done if rank < self._world_size else 0)
+            stop = min((rank + 1) * self.per_rank, self.remaining)
+            if rank == self._world_size:  # the ones drop_last cut
+                stop = self.remaining
+            for first, last in self._sequence_ranges(start, stop) if start < stop else []:
+                if kept and kept[-1][1] == first:
+                    kept[-1] = (kept[-1][0], last)
+                else:
+                    kept.append((first, last))
+        return tuple(kept)
+
+
+def check_intervals(value: Any, total: int) -> Intervals:
+    """Intervals from a saved state, checked: increasing, disjoint, within 0..total."""
+    try:
+        pairs = tuple((int(a), int(b)) for a, b in value)
+        exact = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                    for pair in value for x in pair)
+    except (TypeError, ValueError):
+        exact, pairs = False, ()
+    previous = 0
+    for start, end in pairs:
+        if not exact or not previous <= start < end <= total:
+            break
+        previous = end
+    else:
+        if exact:
+            return pairs
+    raise ValueError(f"'remaining' must be increasing, disjoint [start, end) pairs within "
+                     f"0..{total}, got {value!r}")

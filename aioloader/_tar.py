@@ -51,20 +51,46 @@ class _Reader:
         self.offset += len(data)
         return data
 
+    async def skip(self, size: int) -> int:
+        """Pass over `size` bytes without keeping them; how many there were."""
+        skipped = min(size, len(self._buffer))
+        del self._buffer[:skipped]
+        while skipped < size:
+            try:
+                chunk = await anext(self._chunks)
+            except StopAsyncIteration:
+                break
+            used = min(len(chunk), size - skipped)
+            self._buffer += memoryview(chunk)[used:]
+            skipped += used
+        self.offset += skipped
+        return skipped
+
 
 async def tar_members(
-    chunks: AsyncIterator[bytes], where: str, max_member_bytes: int = MAX_MEMBER_BYTES
-) -> AsyncGenerator[tuple[str, bytes], None]:
-    """(name, data) of each regular file in a tar archive streamed as `chunks`.
+    chunks: AsyncIterator[bytes],
+    where: str,
+    max_member_bytes: int = MAX_MEMBER_BYTES,
+    keep_data: bool = True,
+    base: int = 0,
+) -> AsyncGenerator[tuple[str, bytes, int], None]:
+    """(name, data, start) of each regular file in a tar archive streamed as `chunks`: start
+    is the offset of the member's first header block (a long name's or pax header's included)
+    in the archive, whose first chunk is at offset `base`. Without `keep_data`, data is
+    passed over and given as b"" (to index an archive).
 
     A member is held in memory whole, so one whose header declares more than
     `max_member_bytes` (`MAX_METADATA_BYTES` for pax headers and long names) is refused before
     any of it is read: a forged size cannot exhaust memory.
     """
     reader = _Reader(chunks)
+    reader.offset = base
     long_name: str | None = None
+    first_block: int | None = None
     while True:
         at = reader.offset
+        if first_block is None:
+            first_block = at
         header = await reader.read(BLOCK)
         if len(header) < BLOCK:
             if header:
@@ -88,13 +114,15 @@ async def tar_members(
                 f"{where}: tar member {name!r} at offset {at} declares {info.size} bytes, "
                 f"over the limit of {limit} bytes"
             )
-        data = await reader.read(info.size)
-        if len(data) < info.size:
+        kept = keep_data or info.type in _METADATA
+        data = await reader.read(info.size) if kept else b""
+        present = len(data) if kept else await reader.skip(info.size)
+        if present < info.size:
             raise TarFormatError(
                 f"{where}: truncated tar member {name!r} at offset {at}: "
-                f"{info.size} bytes declared, {len(data)} present"
+                f"{info.size} bytes declared, {present} present"
             )
-        await reader.read(-info.size % BLOCK)
+        await reader.skip(-info.size % BLOCK)
         if info.type == tarfile.GNUTYPE_LONGNAME:
             long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE):
@@ -102,10 +130,10 @@ async def tar_members(
             if info.type == tarfile.XHDTYPE:
                 long_name = path or long_name
         elif info.type in _REGULAR:
-            yield name, data
-            long_name = None
+            yield name, data, first_block
+            long_name = first_block = None
         else:
-            long_name = None
+            long_name = first_block = None
 
 
 def _pax_path(data: bytes, where: str, offset: int) -> str | None:
@@ -144,11 +172,11 @@ def split_name(name: str) -> tuple[str, str] | None:
 
 
 async def samples(
-    members: AsyncIterator[tuple[str, bytes]], url: str
+    members: AsyncIterator[tuple[str, bytes, int]], url: str
 ) -> AsyncGenerator[dict[str, Any], None]:
     """Consecutive files with one key form a sample: {"__key__", "__url__", ext: bytes, ...}."""
     current: dict[str, Any] | None = None
-    async for name, data in members:
+    async for name, data, _ in members:
         parts = split_name(name)
         if parts is None:
             continue
@@ -163,3 +191,17 @@ async def samples(
         current[extension] = data
     if current is not None:
         yield current
+
+
+async def sample_starts(members: AsyncIterator[tuple[str, bytes, int]]) -> list[int]:
+    """Where each sample of an archive starts (its first member's first header block), grouped
+    as `samples` groups: with the archive's size after them, the index that lets a reader take
+    samples i..j of a shard with one ranged read of bytes starts[i]..starts[j]."""
+    starts: list[int] = []
+    key = None
+    async for name, _, start in members:
+        parts = split_name(name)
+        if parts is not None and parts[0] != key:
+            starts.append(start)
+            key = parts[0]
+    return starts

@@ -11,12 +11,13 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .._sampling import epoch_order
+from .._sampling import epoch_order, get_shard_info
 
 
 class Dataset(abc.ABC):
@@ -46,6 +47,11 @@ class Dataset(abc.ABC):
         """The order of an epoch's samples, which the ranks share in lockstep; override for an
         order of your own. The default: a permutation from (seed, epoch) when shuffling."""
         return epoch_order(len(self), shuffle, seed, epoch)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a loader's world size this dataset cannot serve (one it already divides
+        itself); the default accepts all."""
+        return
 
     def load_in_workers(self) -> tuple[Callable[[Any], Any], int] | None:
         """For datasets read inside the decode processes (`from_torch`): the function that
@@ -83,6 +89,18 @@ class Stream(abc.ABC):
                 continue
             yield item
 
+    async def numbered_from(self, position: int) -> AsyncGenerator[tuple[int, Any], None]:
+        """(rng index, item) of this rank's items from the `position`-th on. The index seeds
+        the item's rng: by default item n of rank r gets n * world_size + r, distinct across
+        ranks; streams that know a sample's place in the data give that instead."""
+        info = get_shard_info()
+        items = self.iter_from(position) if position else _items(self)
+        number = position * info.world_size + info.rank
+        async with aclosing(items):
+            async for item in items:
+                yield number, item
+                number += info.world_size
+
     def check_batching(self, batch_size: int | None, ordered: bool) -> None:
         """Refuse loader settings this stream cannot serve; the default accepts all."""
         return
@@ -98,6 +116,12 @@ class Stream(abc.ABC):
         if isinstance(item, Mapping) and "__key__" in item:
             return f"{item.get('__url__', '')}#{item['__key__']}"
         return f"item {position}"
+
+
+async def _items(stream: Stream) -> AsyncGenerator[Any, None]:
+    """A stream's items as an async generator, so that it can be closed early."""
+    async for item in stream:
+        yield item
 
 
 class _FactoryStream(Stream):

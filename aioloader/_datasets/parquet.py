@@ -1,15 +1,13 @@
-"""Parquet files as a stream of rows: row groups fetched by ranged reads, a few ahead, decoded
-a column at a time."""
+"""Parquet files as a stream of rows divided by samples: the footers count each row group's
+rows, so every rank gets the same number of rows, partial row groups included; row groups are
+fetched by ranged reads and decoded a column at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import heapq
 import itertools
-from collections import deque
-from collections.abc import AsyncGenerator, Sequence
-from contextlib import aclosing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,16 +16,14 @@ import numpy.typing as npt
 
 from .._errors import LoaderError
 from .._loopthread import run_sync
-from .._sampling import ShardInfo, epoch_order, get_shard_info
+from .._runtime.blocking import off_loop
 from ..storage import _storage as storage
-from .base import Stream
-from .tarshards import expand_braces
+from .indexed import IndexedStream
+from .streaming import expand_braces
 
 TAIL_BYTES = 64 << 10
 """Read from a file's end at construction: the footer of most files fits, else one more read."""
 _MAGIC = b"PAR1"
-_GROUP_ORDER, _WINDOW_ORDER = 6, 7
-"""Spawn keys of the row-group order and of the shuffles within windows."""
 Values = Sequence[Any] | npt.NDArray[Any]
 """A column's values, one per row."""
 
@@ -44,22 +40,11 @@ class _File:
     """pyarrow's FileMetaData, parsed once: decoding a row group needs no more footer reads."""
     ranges: list[list[tuple[int, int]]]
     """Per row group, the byte ranges of the requested columns' chunks."""
+    decoded_bytes: list[int]
+    """Per row group, the requested columns' uncompressed bytes: what reading it holds."""
 
 
-@dataclass(frozen=True)
-class _Share:
-    """One rank's part of an epoch: its row groups in reading order, read in windows."""
-
-    groups: list[int]
-    window: int
-    rows: int
-    """Rows yielded: the same on every rank; the rows of `groups` past it are left out."""
-
-    def windows(self) -> list[list[int]]:
-        return [self.groups[i : i + self.window] for i in range(0, len(self.groups), self.window)]
-
-
-class Parquet(Stream):
+class Parquet(IndexedStream):
     """The rows of Parquet files (local paths, file://, http(s)://, s3://, brace patterns); each
     sample is a dict of column name to value.
 
@@ -67,21 +52,17 @@ class Parquet(Stream):
     column's dtype), lists -> numpy arrays (lists of structs or of lists -> Python lists),
     structs -> dicts, nulls -> None; other types as pyarrow's `as_py` gives them.
 
-    Each file's footer is read once, at construction. The row groups of all files are the
-    units of reading: only the requested columns' chunks are fetched, `row_groups_ahead` row
-    groups in flight, each decoded by pyarrow off the event loop.
+    Each file's footer is read once, at construction, and the files' schemas (of the requested
+    columns) must agree. Only the requested columns' chunks are fetched; each row group is
+    decoded by pyarrow off the event loop.
 
-    Per epoch, the row groups are put in file order, or shuffled with the Loader's seed and
-    the epoch; each goes to the rank with the fewest rows so far, so no row reaches two ranks.
-    Every rank yields as many rows as the rank with the fewest, so that ranks take equal steps:
-    the surplus at the end of the other ranks' shares (less than one row group each) is left
-    out of that epoch. When shuffling, other rows are left out in other epochs, as the order
-    changes; without shuffling the same ones always are. The rank's row count can differ
-    between shuffled epochs: `len()` gives the current one.
-
-    With the Loader's `shuffle=True`, rows are also shuffled within windows of `shuffle_window`
-    consecutive row groups of the rank's share: memory holds a window (plus the row groups
-    read ahead), and a larger window mixes rows from more places.
+    An epoch divides by rows, not row groups: every rank gets the same number of rows (so DDP
+    ranks take the same steps) from a contiguous run of row groups, a partial one at each end;
+    without drop_last every row is read at least once, the last rank's share padded with
+    repeats as DistributedSampler pads. With the Loader's `shuffle=True` the row groups' order
+    is shuffled per epoch, and rows within windows of about `shuffle_window` row groups.
+    Memory holds about a window plus what is read ahead (`row_groups_ahead`, and at most half
+    the Loader's `memory_limit`).
     """
 
     def __init__(
@@ -98,124 +79,42 @@ class Parquet(Stream):
         if shuffle_window < 1 or row_groups_ahead < 1:
             raise ValueError("shuffle_window and row_groups_ahead must be >= 1")
         self.columns = None if columns is None else list(columns)
-        self.shuffle_window = shuffle_window
-        self.row_groups_ahead = row_groups_ahead
         self._files = run_sync(_load_all(self.urls, self.columns))
+        _check_schemas(self._files, self.columns)
         groups = [
             (f, g, file.metadata.row_group(g).num_rows)
             for f, file in enumerate(self._files)
             for g in range(file.metadata.num_row_groups)
         ]
         self._groups = [(f, g) for f, g, rows in groups if rows]
-        self._group_rows = np.array([rows for _, _, rows in groups if rows], dtype=np.int64)
-
-    def __len__(self) -> int:
-        """This rank's rows in the current epoch, from the footers alone."""
-        return self._share(get_shard_info()).rows
-
-    def __aiter__(self) -> AsyncGenerator[dict[str, Any], None]:
-        return self.iter_from(0)
-
-    async def iter_from(self, position: int) -> AsyncGenerator[dict[str, Any], None]:
-        """Skips whole windows by their row counts without reading them."""
-        info = get_shard_info()
-        share = self._share(info)
-        windows = share.windows()
-        first, skip = self._window_at(windows, position)
-        remaining = share.rows - position
-        groups = [g for window in windows[first:] for g in window]
-        async with aclosing(self._read_ahead(groups)) as decoded:
-            for index in range(first, len(windows)):
-                if remaining <= 0:
-                    return
-                parts = [await anext(decoded) for _ in windows[index]]
-                part_of, row_of = self._window_rows(info, windows[index], index)
-                part_of = part_of[skip : skip + remaining]
-                row_of = row_of[skip : skip + remaining]
-                skip, remaining = 0, remaining - len(part_of)
-                for part, row in zip(part_of.tolist(), row_of.tolist(), strict=True):
-                    yield parts[part].row(row)
+        self.unit_sizes = np.array([rows for _, _, rows in groups if rows], dtype=np.int64)
+        if not len(self.unit_sizes):
+            raise ParquetError(f"the Parquet files hold no rows: {self.urls[:3]}")
+        self.window = shuffle_window * max(1, int(self.unit_sizes.mean()))
+        self.pieces_ahead = max(1, -(-row_groups_ahead // shuffle_window))
+        self._kept = row_groups_ahead + 2 * shuffle_window
+        """Decoded row groups an iteration keeps for the pieces that share them."""
 
     def key(self, item: Any, position: int) -> str:
         """`url#rowgroup/row`, worked out again from the position (errors only need it)."""
-        info = get_shard_info()
-        share = self._share(info)
-        if not 0 <= position < share.rows:
-            return f"row {position} of this rank's share"
-        windows = share.windows()
-        index, at = self._window_at(windows, position)
-        part_of, row_of = self._window_rows(info, windows[index], index)
-        file, group = self._groups[windows[index][int(part_of[at])]]
-        return f"{self._files[file].url}#{group}/{int(row_of[at])}"
+        unit, row = self.locate(position)
+        file, group = self._groups[unit]
+        return f"{self._files[file].url}#{group}/{row}"
 
-    def _window_at(self, windows: list[list[int]], position: int) -> tuple[int, int]:
-        """The window holding row `position` of the share, and the row's place in it."""
-        index = 0
-        while index < len(windows) and position >= (rows := self._rows_of(windows[index])):
-            index, position = index + 1, position - rows
-        return index, position
+    def read_weight(self, unit: int, count: int) -> int:
+        file, group = self._groups[unit]
+        return self._files[file].decoded_bytes[group]
 
-    def _window_rows(
-        self, info: ShardInfo, window: list[int], index: int
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """The window's rows in yielding order: for each, its row group's place in the window
-        and its row in that group."""
-        sizes = self._group_rows[window]
-        order = np.arange(int(sizes.sum()))
-        if info.shuffle:
-            sequence = np.random.SeedSequence(
-                [info.seed, info.epoch], spawn_key=(_WINDOW_ORDER, info.rank, index)
-            )
-            order = np.random.default_rng(sequence).permutation(order)
-        part_of = np.repeat(np.arange(len(window)), sizes)[order]
-        return part_of, order - (np.cumsum(sizes) - sizes)[part_of]
-
-    def _rows_of(self, groups: list[int]) -> int:
-        return int(self._group_rows[groups].sum())
-
-    def _share(self, info: ShardInfo) -> _Share:
-        """Deal the epoch's row groups, each to the rank with the fewest rows so far (the
-        lowest rank on ties): shares differ by less than one row group."""
-        order = epoch_order(len(self._groups), info.shuffle, info.seed, info.epoch, _GROUP_ORDER)
-        dealt: list[list[int]] = [[] for _ in range(info.world_size)]
-        totals = [(0, rank) for rank in range(info.world_size)]
-        for group in order.tolist():
-            rows, rank = heapq.heappop(totals)
-            dealt[rank].append(group)
-            heapq.heappush(totals, (rows + int(self._group_rows[group]), rank))
-        quota = min(rows for rows, _ in totals)
-        if quota == 0:
-            raise ValueError(
-                f"{len(self._groups)} row groups cannot give each of {info.world_size} ranks "
-                "rows: write smaller row groups, or more files"
-            )
-        mine = dealt[info.rank]
-        needed = int(np.searchsorted(np.cumsum(self._group_rows[mine]), quota)) + 1
-        return _Share(mine[:needed], self.shuffle_window if info.shuffle else 1, quota)
-
-    async def _read_ahead(self, groups: list[int]) -> AsyncGenerator[_Rows, None]:
-        """Decoded row groups in order, up to `row_groups_ahead` of them read at once."""
-        pending = iter(groups)
-        reading: deque[asyncio.Task[_Rows]] = deque()
-        async with storage.borrowed() as reads:
-
-            def start_next() -> None:
-                group = next(pending, None)
-                if group is not None:
-                    reading.append(asyncio.create_task(self._read_group(reads, group)))
-
-            try:
-                for _ in range(self.row_groups_ahead):
-                    start_next()
-                while reading:
-                    rows = await reading[0]
-                    reading.popleft()
-                    start_next()
-                    yield rows
-            finally:
-                for task in reading:
-                    task.cancel()
-                await asyncio.gather(*reading, return_exceptions=True)
+    async def read_samples(
+        self, reads: storage.Storage, unit: int, start: int, stop: int, memo: dict[Any, Any]
+    ) -> Sequence[Any]:
+        """Rows start..stop of a row group, decoded once for the pieces that share it."""
+        task = memo.pop(unit, None) or asyncio.ensure_future(self._read_group(reads, unit))
+        memo[unit] = task
+        while len(memo) > self._kept:
+            memo.pop(next(iter(memo)))
+        rows: _Rows = await task
+        return [rows.row(i) for i in range(start, stop)]
 
     async def _read_group(self, reads: storage.Storage, group: int) -> _Rows:
         """One ranged read per column chunk (storage merges neighbours), decoded in a thread."""
@@ -225,11 +124,32 @@ class Parquet(Stream):
         pieces = await asyncio.gather(*(reads.read_range(file.url, s, e) for s, e in ranges))
         fetched = _FetchedRanges(file.url, file.size, [s for s, _ in ranges], pieces)
         try:
-            return await asyncio.to_thread(_decode, fetched, file.metadata, index, self.columns)
+            return await off_loop(_decode, fetched, file.metadata, index, self.columns)
         except Exception as e:
             raise ParquetError(
                 f"{file.url}: row group {index} could not be decoded: {type(e).__name__}: {e}"
             ) from e
+
+
+def _check_schemas(files: list[_File], columns: list[str] | None) -> None:
+    """The requested columns must have one type in every file: int32 in one and int64 in
+    another would mix silently, and a column missing from one file would fail at collate."""
+    first = files[0]
+    expected = _schema(first, columns)
+    for file in files[1:]:
+        found = _schema(file, columns)
+        if found != expected:
+            names = dict.fromkeys([*expected, *found])
+            diffs = [f"{n}: {expected.get(n, 'missing')} in {first.url}, "
+                     f"{found.get(n, 'missing')} in {file.url}"
+                     for n in names if expected.get(n) != found.get(n)]
+            raise ParquetError("the Parquet files' schemas differ: " + "; ".join(diffs))
+
+
+def _schema(file: _File, columns: list[str] | None) -> dict[str, str]:
+    schema = file.metadata.schema.to_arrow_schema()
+    names = schema.names if columns is None else columns
+    return {name: str(schema.field(name).type) for name in names if name in schema.names}
 
 
 class _Rows:
@@ -375,11 +295,12 @@ async def _load(reads: storage.Storage, url: str, columns: list[str] | None) -> 
     metadata = _parse_footer(url, footer)
     leaves = [metadata.schema.column(j).path for j in range(metadata.num_columns)]
     wanted = _leaves_of(url, leaves, columns)
-    ranges = []
+    ranges, decoded = [], []
     for g in range(metadata.num_row_groups):
         group = metadata.row_group(g)
         chunks = []
-        for j in wanted:
+        decoded.append(sum(group.column(j).total_uncompressed_size for j in wanted))
+        for j in wanted if group.num_rows else []:  # an empty row group is never read
             start, end = _chunk_range(group.column(j))
             if not 4 <= start <= end <= footer_start:
                 raise ParquetError(
@@ -388,7 +309,7 @@ async def _load(reads: storage.Storage, url: str, columns: list[str] | None) -> 
                 )
             chunks.append((start, end))
         ranges.append(chunks)
-    return _File(url, size, metadata, ranges)
+    return _File(url, size, metadata, ranges, decoded)
 
 
 def _parse_footer(url: str, footer: bytes) -> Any:

@@ -44,6 +44,15 @@ class RecordIO(Dataset):
     bytes, as dmlc's InputSplit does: parts of near-equal bytes, whatever the number of files.
     """
 
+    def check_world_size(self, world_size: int) -> None:
+        if self.num_parts > 1 and world_size > 1:
+            raise ValueError(
+                f"this RecordIO is part of {self.num_parts} already, and the Loader divides it "
+                f"again among {world_size} ranks: each rank would read 1/"
+                f"{self.num_parts * world_size} of the data. Give RecordIO num_parts=1 (the "
+                "Loader divides by rank) or the Loader world_size=1"
+            )
+
     def __init__(
         self,
         rec_urls: str | Sequence[str],
@@ -64,6 +73,7 @@ class RecordIO(Dataset):
         for url in recs + (idxs or []):
             storage.check_url(url)
         self.urls = recs
+        self.num_parts = num_parts
         per_file = run_sync(_load(recs, idxs, num_parts, part_index))
         self._file: npt.NDArray[np.int32] = np.concatenate(
             [np.full(len(f.starts), n, np.int32) for n, f in enumerate(per_file)]

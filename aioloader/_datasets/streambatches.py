@@ -14,7 +14,7 @@ from .._loopthread import run_sync
 from .._sampling import ShardInfo, epoch_order, get_shard_info
 from ..storage import _storage as storage
 from .base import Stream
-from .tarshards import expand_braces
+from .streaming import expand_braces
 
 _FILE_ORDER = 5
 

@@ -1,50 +1,52 @@
-"""WebDataset tar shards as a stream: shards read in order, a few ahead, never whole in memory."""
+"""WebDataset tar shards as a stream divided by samples: an index of where each sample starts
+in each shard lets every rank read exactly its share, partial shards included."""
 
 from __future__ import annotations
 
 import asyncio
-import re
-from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Sequence
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .._sampling import epoch_order, get_shard_info
-from .._tar import MAX_MEMBER_BYTES, samples, tar_members
+from .._errors import FetchError
+from .._loopthread import run_sync
+from .._runtime.blocking import off_loop
+from .._tar import MAX_MEMBER_BYTES, TarFormatError, sample_starts, samples, tar_members
 from ..storage import _storage as storage
-from .base import Stream
+from .indexed import IndexedStream
+from .streaming import expand_braces
 
-_DONE = object()
-_SHARD_ORDER, _BUFFER = 3, 4
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """`train-{000..002}.tar` -> three names (zero padding kept); `{a,b}` -> two."""
-    match = re.search(r"\{([^{}]*)\}", pattern)
-    if match is None:
-        return [pattern]
-    numbers = re.fullmatch(r"(\d+)\.\.(\d+)", match.group(1))
-    if numbers:
-        first, last = numbers.groups()
-        options = [f"{i:0{len(first)}d}" for i in range(int(first), int(last) + 1)]
-    else:
-        options = match.group(1).split(",")
-    head, tail = pattern[: match.start()], pattern[match.end() :]
-    return [name for option in options for name in expand_braces(head + option + tail)]
+INDEX_SUFFIX = ".index.json"
+"""A shard's index beside it: `train-000.tar.index.json`, written by `aioloader pack`."""
+INDEX_FORMAT = "aioloader-tar-index"
+SCANS_AT_ONCE = 8
 
 
-class TarShards(Stream):
-    """Samples of WebDataset tar shards (local paths or http(s):// URLs, brace patterns).
+class TarShards(IndexedStream):
+    """Samples of WebDataset tar shards (local paths, file://, http(s)://, s3://, brace
+    patterns).
 
-    Each sample is a dict: `__key__`, `__url__` and one bytes value per file extension. With
-    the Loader's `shuffle=True`, shard order is shuffled per epoch with the seed and samples
-    pass through a shuffle buffer of `shuffle_buffer` samples. Ranks take every
-    `world_size`-th shard of the epoch's order, so no sample reaches two ranks.
+    Each sample is a dict: `__key__`, `__url__` and one bytes value per file extension.
 
-    Each file is held in memory whole: one whose tar header declares more than
-    `max_member_bytes` fails the shard with a TarFormatError before any of it is read.
+    An epoch divides by samples, not by shards: every rank gets the same number of samples (so
+    DDP ranks take the same steps), `len()` is known, and a rank reads only its range, partial
+    shards included. That needs an index of where each sample starts in each shard: read from
+    `SHARD.index.json` beside the shard when there is one (`aioloader pack` writes it), else
+    made by reading each shard once and kept in `index_dir` (default: aioloader's folder in
+    the user's cache), keyed by the shard's URL and size.
+
+    With the Loader's `shuffle=True`, the shard order is shuffled per epoch with the seed, and
+    samples are shuffled within windows of `shuffle_buffer` consecutive samples (0 or 1: not
+    at all); memory holds about `shards_ahead` windows. Each file is held in memory whole: one
+    whose tar header declares more than `max_member_bytes` fails with a TarFormatError before
+    any of it is read.
     """
 
     def __init__(
@@ -52,107 +54,111 @@ class TarShards(Stream):
         urls: str | Sequence[str],
         shuffle_buffer: int = 1000,
         shards_ahead: int = 2,
-        samples_ahead: int = 64,
         max_member_bytes: int = MAX_MEMBER_BYTES,
+        index_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         patterns = [urls] if isinstance(urls, str) else list(urls)
         self.urls = [storage.check_url(u) for p in patterns for u in expand_braces(p)]
         if not self.urls:
             raise ValueError("TarShards needs at least one shard")
-        if shuffle_buffer < 0 or shards_ahead < 1 or samples_ahead < 1:
-            raise ValueError("shuffle_buffer must be >= 0, shards_ahead and samples_ahead >= 1")
+        if shuffle_buffer < 0 or shards_ahead < 1:
+            raise ValueError("shuffle_buffer must be >= 0 and shards_ahead >= 1")
         if max_member_bytes < 0:
             raise ValueError(f"max_member_bytes must be >= 0, got {max_member_bytes}")
-        self.shuffle_buffer = shuffle_buffer
-        self.shards_ahead = shards_ahead
-        self.samples_ahead = samples_ahead
+        self.window = max(1, shuffle_buffer)
+        self.pieces_ahead = shards_ahead
         self.max_member_bytes = max_member_bytes
+        folder = Path(index_dir) if index_dir is not None else default_index_dir()
+        self.starts = run_sync(_load_indexes(self.urls, folder, max_member_bytes))
+        self.unit_sizes = np.array([len(s) - 1 for s in self.starts], np.int64)
+        if not self.unit_sizes.sum():
+            raise ValueError(f"the tar shards hold no samples: {self.urls[:3]}...")
 
-    def shards_for_this_rank(self) -> list[str]:
-        info = get_shard_info()
-        order = epoch_order(len(self.urls), info.shuffle, info.seed, info.epoch, _SHARD_ORDER)
-        return [self.urls[i] for i in order[info.rank :: info.world_size]]
+    def read_weight(self, unit: int, count: int) -> int:
+        starts = self.starts[unit]
+        return (starts[-1] - starts[0]) * count // max(1, len(starts) - 1)
 
-    async def __aiter__(self) -> AsyncGenerator[dict[str, Any], None]:
-        info = get_shard_info()
-        items = self._read_in_order(self.shards_for_this_rank())
-        if info.shuffle and self.shuffle_buffer > 1:
-            sequence = np.random.SeedSequence(
-                [info.seed, info.epoch], spawn_key=(_BUFFER, info.rank)
-            )
-            items = _shuffled(items, self.shuffle_buffer, np.random.default_rng(sequence))
-        async with aclosing(items):
-            async for item in items:
-                yield item
-
-    async def _read_in_order(self, urls: list[str]) -> AsyncGenerator[dict[str, Any], None]:
-        """Shards in order, up to `shards_ahead` of them downloading at once."""
-        pending = iter(urls)
-        reading: deque[tuple[asyncio.Queue[Any], asyncio.Task[None]]] = deque()
-        async with storage.borrowed() as reads:
-
-            def start_next() -> None:
-                url = next(pending, None)
-                if url is not None:
-                    queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=self.samples_ahead)
-                    task = asyncio.create_task(_fill(reads, url, queue, self.max_member_bytes))
-                    reading.append((queue, task))
-
-            try:
-                for _ in range(self.shards_ahead):
-                    start_next()
-                while reading:
-                    queue, _ = reading[0]
-                    while (item := await queue.get()) is not _DONE:
-                        if isinstance(item, BaseException):
-                            raise item
-                        yield item
-                    reading.popleft()
-                    start_next()
-            finally:
-                for _, task in reading:
-                    task.cancel()
-                await asyncio.gather(*(task for _, task in reading), return_exceptions=True)
-
-
-async def _fill(
-    reads: storage.Storage, url: str, queue: asyncio.Queue[Any], max_member_bytes: int
-) -> None:
-    try:
-        async with aclosing(reads.stream(url)) as chunks, aclosing(
-            tar_members(chunks, url, max_member_bytes)
+    async def read_samples(
+        self, reads: storage.Storage, unit: int, start: int, stop: int, memo: dict[Any, Any]
+    ) -> Sequence[Any]:
+        """One ranged read of the bytes of samples start..stop, parsed as they arrive."""
+        url, starts = self.urls[unit], self.starts[unit]
+        chunks = reads.stream(url, starts[start], starts[stop])
+        async with aclosing(chunks), aclosing(
+            tar_members(chunks, url, self.max_member_bytes, base=starts[start])
         ) as members, aclosing(samples(members, url)) as grouped:
-            async for sample in grouped:
-                await queue.put(sample)
-    except Exception as e:
-        await queue.put(e)
-    else:
-        await queue.put(_DONE)
+            found = [sample async for sample in grouped]
+        if len(found) != stop - start:
+            raise TarFormatError(
+                f"{url}: bytes {starts[start]}..{starts[stop]} hold {len(found)} samples where "
+                f"its index says {stop - start}: the shard changed since it was indexed "
+                "(remove its index to make a new one)"
+            )
+        return found
 
 
-FIRST_YIELD = 100
-"""Samples in the shuffle buffer before the first comes out (as WebDataset's `initial`)."""
+def default_index_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "aioloader" / "tar-index"
 
 
-async def _shuffled(
-    items: AsyncGenerator[dict[str, Any], None], size: int, rng: np.random.Generator
-) -> AsyncGenerator[dict[str, Any], None]:
-    """A shuffle buffer that starts giving samples once it holds FIRST_YIELD (not `size`, which
-    would delay the first batch by a whole buffer), then grows to `size` by taking two samples
-    in for each it gives out."""
-    buffer: list[dict[str, Any]] = []
-    async with aclosing(items):
-        async for item in items:
-            buffer.append(item)
-            if len(buffer) < min(FIRST_YIELD, size):
-                continue
-            if len(buffer) < size:
-                extra = await anext(items, None)
-                if extra is not None:
-                    buffer.append(extra)
-            slot = int(rng.integers(len(buffer)))
-            buffer[slot], buffer[-1] = buffer[-1], buffer[slot]
-            yield buffer.pop()
-    rng.shuffle(buffer)
-    for item in buffer:
-        yield item
+async def _load_indexes(urls: list[str], folder: Path, max_member_bytes: int) -> list[list[int]]:
+    """Each shard's sample starts and size: beside it, in the index folder, or by reading it."""
+    limit = asyncio.Semaphore(SCANS_AT_ONCE)
+    async with storage.borrowed() as reads:
+
+        async def load(url: str) -> list[int]:
+            async with limit:
+                return await _index(reads, url, folder, max_member_bytes)
+
+        return list(await asyncio.gather(*(load(url) for url in urls)))
+
+
+async def _index(
+    reads: storage.Storage, url: str, folder: Path, max_member_bytes: int
+) -> list[int]:
+    size = await reads.size(url)
+    try:
+        beside = await reads.read(url + INDEX_SUFFIX)
+    except (FetchError, OSError):
+        beside = None
+    if beside is not None:
+        return _parse_index(url + INDEX_SUFFIX, beside, size)
+    kept = folder / (hashlib.sha256(url.encode()).hexdigest()[:40] + ".json")
+    with contextlib.suppress(OSError, ValueError):
+        return _parse_index(str(kept), await off_loop(kept.read_bytes), size)
+    chunks = reads.stream(url)
+    async with aclosing(chunks), aclosing(
+        tar_members(chunks, url, max_member_bytes, keep_data=False)
+    ) as members:
+        starts = await sample_starts(members)
+    await off_loop(_keep, kept, index_document(url, starts, size))
+    return [*starts, size]
+
+
+def _keep(path: Path, document: str) -> None:
+    """Write an index into the cache folder; a read-only cache costs a scan next time."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_suffix(f".{os.getpid()}.tmp")
+        staged.write_text(document)
+        staged.replace(path)
+
+
+def index_document(url: str, starts: list[int], size: int) -> str:
+    """A shard's index as JSON: the size it was made for and where each sample starts."""
+    return json.dumps({"format": INDEX_FORMAT, "version": 1, "url": url, "size": size,
+                       "starts": starts})
+
+
+def _parse_index(where: str, data: bytes, size: int) -> list[int]:
+    try:
+        document = json.loads(data)
+        starts = [int(s) for s in document["starts"]]
+        valid = document.get("format") == INDEX_FORMAT and all(
+            a < b for a, b in zip(starts, [*starts[1:], size], strict=True))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: not a tar shard index ({e})") from None
+    if not valid or document.get("size") != size or (starts and starts[0] < 0):
+        raise ValueError(f"{where}: the index does not fit the shard of {size} bytes")
+    return [*starts, size]

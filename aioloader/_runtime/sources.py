@@ -10,7 +10,6 @@ decode stage and report the oldest read in flight to the watchdog.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -110,9 +109,6 @@ class PlannedSource:
         self._stats = stats
         self._in_flight: dict[tuple[int, int], tuple[float, int]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-
-    def total_steps(self) -> int:
-        return len(self.plan)
 
     def position(self, steps_done: int) -> int:
         return self.plan.global_position(steps_done)
@@ -238,15 +234,13 @@ def sample_key(dataset: Dataset, index: int) -> str:
 
 
 class StreamSource:
-    """A stream's items, pulled one after another and grouped into chunks; item n of this rank
-    gets the rng index n * world_size + rank, distinct across ranks."""
+    """A stream's items, pulled one after another and grouped into chunks, each with the rng
+    index the stream numbers it with (`Stream.numbered_from`)."""
 
     def __init__(
         self,
         stream: Stream,
         start: int,
-        rank: int,
-        world_size: int,
         step_size: int,
         steps_per_chunk: int,
         keep_partial: bool,
@@ -254,8 +248,6 @@ class StreamSource:
     ) -> None:
         self.stream = stream
         self._start = start
-        self._rank = rank
-        self._world_size = world_size
         self._step_size = step_size
         self._chunk_size = step_size * steps_per_chunk
         self._steps_per_chunk = steps_per_chunk
@@ -263,9 +255,6 @@ class StreamSource:
         self._stats = stats
         self._pulling_since: float | None = None
         self._count = start
-
-    def total_steps(self) -> int | None:
-        return None
 
     def position(self, steps_done: int) -> int:
         return self._start + steps_done * self._step_size
@@ -281,7 +270,7 @@ class StreamSource:
 
     async def feed(self, work: Work) -> None:
         pending = self._new(0)
-        items = self.stream.iter_from(self._start) if self._start else _items(self.stream)
+        items = self.stream.numbered_from(self._start)
         waited = 0.0
         async with aclosing(items):
             while True:
@@ -289,13 +278,13 @@ class StreamSource:
                     await work.room()
                 self._pulling_since = started = now()
                 try:
-                    item = await anext(items)
+                    number, item = await anext(items)
                 except StopAsyncIteration:
                     break
                 finally:
                     self._pulling_since = None
                 waited += now() - started
-                pending.indices.append(self._count * self._world_size + self._rank)
+                pending.indices.append(number)
                 pending.raws.append(item)
                 self._count += 1
                 if len(pending.raws) % HOLD_SAMPLE == 1:  # a sample of sizes is enough
@@ -322,10 +311,3 @@ class StreamSource:
         if self._pulling_since is None:
             return None
         return now() - self._pulling_since, f"the stream's item {self._count}"
-
-
-async def _items(stream: Stream) -> AsyncGenerator[Any, None]:
-    """A stream's items as an async generator, so that it can be closed early."""
-    async for item in stream:
-        yield item
-

@@ -1,0 +1,148 @@
+"""Streams whose samples are counted per unit (a tar shard, a Parquet row group) before the
+epoch starts, so that an epoch divides among ranks by samples, not by units.
+
+Every rank then gets the same number of samples (so DDP ranks take the same steps), `len()` is
+known, a rank reads only its range (a partial unit included), and what remains of an epoch is
+a set of positions of the epoch's sequence that any number of ranks can divide again.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._sampling import (
+    Division,
+    Indices,
+    Intervals,
+    SampleSequence,
+    ShardInfo,
+    Spawn,
+    get_shard_info,
+)
+from ..storage import _storage as storage
+from .base import Stream
+from .streaming import ordered_ahead
+
+MIN_PIECE = 256
+"""Samples read as one piece at the least (a whole number of shuffle windows)."""
+
+
+class IndexedStream(Stream):
+    """Subclass with `unit_sizes` (samples per unit, in file order), `window` (samples shuffled
+    together), `pieces_ahead` and `read_samples`; the division, the order and resuming come
+    from here.
+
+    The items of a rank come in pieces of whole shuffle windows; each piece is read with one
+    read per unit it touches, `pieces_ahead` pieces at once (fewer when the pass's read budget
+    in bytes is reached).
+    """
+
+    unit_sizes: Indices
+    window: int
+    pieces_ahead: int
+
+    @abc.abstractmethod
+    async def read_samples(
+        self, reads: storage.Storage, unit: int, start: int, stop: int, memo: dict[Any, Any]
+    ) -> Sequence[Any]:
+        """Samples `start` up to `stop` of `unit`, in storage order. `memo` lives as long as
+        one iteration, for what reads of neighbouring pieces share (a decoded row group)."""
+
+    def read_weight(self, unit: int, count: int) -> int:
+        """Roughly what reading `count` samples of `unit` holds in memory, for the budget."""
+        return 0
+
+    def sequence(self, info: ShardInfo) -> SampleSequence:
+        return SampleSequence(self.unit_sizes, info, self.window, Spawn.SAMPLE_SEQUENCE)
+
+    def division(self, info: ShardInfo) -> Division:
+        return Division(int(self.unit_sizes.sum()), info)
+
+    def __len__(self) -> int:
+        """This rank's items in the current epoch: the same on every rank."""
+        return self.division(get_shard_info()).per_rank
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """The unit and the sample in it of this rank's `position`-th item (to name it)."""
+        info = get_shard_info()
+        sequence = self.sequence(info)
+        at = self.division(info).positions(position)[0][0]
+        sample = sequence.ids(at, at + 1)
+        unit = int(sequence.unit_of(sample)[0])
+        return unit, int(sample[0] - sequence.offsets[unit])
+
+    def state_after(self, info: ShardInfo, done: int) -> Intervals:
+        """The positions of the epoch's sequence no rank has taken once each took `done`."""
+        return self.division(info).remaining_after(done)
+
+    async def __aiter__(self) -> AsyncGenerator[Any, None]:
+        async for _, item in self.numbered_from(0):
+            yield item
+
+    async def iter_from(self, position: int) -> AsyncGenerator[Any, None]:
+        async for _, item in self.numbered_from(position):
+            yield item
+
+    async def numbered_from(self, position: int) -> AsyncGenerator[tuple[int, Any], None]:
+        """(sample id, item) of this rank from its `position`-th item on: the id is the
+        sample's place in the data, the same whatever the world size (it seeds the rng)."""
+        info = get_shard_info()
+        sequence = self.sequence(info)
+        pieces = _pieces(self.division(info).positions(position), sequence.window)
+        memo: dict[Any, Any] = {}
+        async with storage.borrowed() as reads:
+
+            def job(start: int, end: int) -> tuple[Any, int]:
+                ids = sequence.ids(start, end)
+                units = sequence.unit_of(ids)
+                found, counts = np.unique(units, return_counts=True)
+                weight = sum(self.read_weight(u, n) for u, n in zip(
+                    found.tolist(), counts.tolist(), strict=True))
+                return (lambda: self._read_piece(reads, sequence, ids, units, memo)), weight
+
+            budget = info.read_bytes
+            async for ids, items in ordered_ahead(
+                (job(s, e) for s, e in pieces), self.pieces_ahead, budget
+            ):
+                for pair in zip(ids.tolist(), items, strict=True):
+                    yield pair
+
+    async def _read_piece(
+        self,
+        reads: storage.Storage,
+        sequence: SampleSequence,
+        ids: Indices,
+        units: Indices,
+        memo: dict[Any, Any],
+    ) -> tuple[Indices, list[Any]]:
+        """A piece's items in sequence order: one read per unit, from the first sample needed
+        there to the last (a partial window at a rank's edge reads its span once)."""
+        items: list[Any] = [None] * len(ids)
+
+        async def read_unit(unit: int) -> None:
+            where = np.flatnonzero(units == unit)
+            local = ids[where] - sequence.offsets[unit]
+            first = int(local.min())
+            read = await self.read_samples(reads, unit, first, int(local.max()) + 1, memo)
+            for slot, at in zip(where.tolist(), (local - first).tolist(), strict=True):
+                items[slot] = read[at]
+
+        await asyncio.gather(*(read_unit(unit) for unit in np.unique(units).tolist()))
+        return ids, items
+
+
+def _pieces(ranges: list[tuple[int, int]], window: int) -> list[tuple[int, int]]:
+    """The ranges cut at piece boundaries: whole windows of at least MIN_PIECE positions."""
+    size = window * -(-MIN_PIECE // window)
+    out = []
+    for start, end in ranges:
+        while start < end:
+            stop = min(end, (start // size + 1) * size)
+            out.append((start, stop))
+            start = stop
+    return out
