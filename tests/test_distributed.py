@@ -59,3 +59,30 @@ def test_executor_and_worker_init_do_not_mix(urls: list[str]) -> None:
 
     with ThreadPoolExecutor(1) as executor, pytest.raises(ValueError, match="worker_init"):
         aioloader.Loader(aioloader.Files(urls), executor=executor, worker_init=print)
+
+
+def test_torchrun_on_uneven_tar_shards_steps_together_and_resumes_on_three_ranks(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "distributed_tar_shards.py"),
+         "--out", str(tmp_path)],
+        check=True, timeout=400, capture_output=True,
+    )
+
+    def seen(world_size: int) -> list[dict[str, list[int]]]:
+        return [json.loads((tmp_path / f"ranks-{world_size}-rank-{r}.json").read_text())["seen"]
+                for r in range(world_size)]
+
+    two, three = seen(2), seen(3)
+    for epoch in ("0", "1"):  # whole epochs on two ranks: equal steps, every digit
+        assert len(two[0][epoch]) == len(two[1][epoch]) == 750
+        assert set(two[0][epoch]) | set(two[1][epoch]) == set(range(1500))
+    before = [i for rank in two for i in rank["2"]]
+    after = [i for rank in three for i in rank["2"]]
+    assert len(two[0]["2"]) == len(two[1]["2"]) == 6 * 16
+    assert len({len(rank["2"]) for rank in three}) == 1  # three ranks step together
+    assert set(before) | set(after) == set(range(1500))  # the resumed epoch skips nothing
+    assert len(before) + len(after) - 1500 < 3  # repeats only to pad

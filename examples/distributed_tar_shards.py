@@ -1,0 +1,146 @@
+"""DDP on tar shards of uneven sizes, resumed on another number of ranks.
+
+    python examples/distributed_tar_shards.py --out results/
+
+writes scikit-learn's handwritten digits into 9 WebDataset tar shards of uneven sizes, serves
+them from the project's test server on 127.0.0.1, and trains a small model with
+DistributedDataParallel (gloo, CPU) under torchrun: two ranks for two epochs and part of a
+third, where rank 0 saves a checkpoint (the model and `loader.state_dict()`); then three ranks
+resume from it and finish. Every rank takes the same number of steps in every epoch (an epoch
+divides by samples, not shards), and the resumed epoch skips nothing. Each rank writes the
+samples it saw per epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import aioloader
+
+SHARDS = [300, 41, 250, 7, 410, 120, 3, 269, 100]
+"""Digits per shard: 1500 in all."""
+
+
+def decode_digit(sample: dict[str, Any]) -> dict[str, object]:
+    """A sample's `.bin`: index (u16), label (u8), 64 pixels (u8, 0..16)."""
+    raw = sample["bin"]
+    pixels = np.frombuffer(raw, np.uint8, 64, offset=3).astype(np.float32) / 16
+    return {"x": pixels, "y": raw[2], "index": int.from_bytes(raw[:2], "little")}
+
+
+def write_shards(folder: Path) -> list[str]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    names, first = [], 0
+    for n, count in enumerate(SHARDS):
+        names.append(f"digits-{n:03d}.tar")
+        with tarfile.open(folder / names[-1], "w") as tar:
+            for i in range(first, first + count):
+                body = i.to_bytes(2, "little") + bytes([digits.target[i]])
+                body += digits.data[i].astype(np.uint8).tobytes()
+                info = tarfile.TarInfo(f"digit-{i:04d}.bin")
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+        first += count
+    return names
+
+
+def train(urls: list[str], epochs: int, out: Path, stop_after: int | None,
+          resume: Path | None) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from aioloader.torch import TorchLoader
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    loader = aioloader.Loader(aioloader.TarShards(urls, shuffle_buffer=100),
+                              decode=decode_digit, batch_size=16, shuffle=True, seed=1,
+                              num_workers=1)
+    first_epoch = 0
+    if resume is not None:
+        checkpoint = torch.load(resume)
+        net.load_state_dict(checkpoint["model"])
+        loader.load_state_dict(checkpoint["loader"])
+        first_epoch = checkpoint["loader"]["epoch"]
+    model = nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen: dict[int, list[int]] = {}
+    with TorchLoader(loader) as batches:
+        for epoch in range(first_epoch, epochs):
+            loader.set_epoch(epoch)  # after load_state_dict: keeps the saved position
+            seen[epoch] = []
+            for step, batch in enumerate(batches, 1):
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(batch["x"]), batch["y"].long())
+                loss.backward()  # all-reduces: a rank with fewer steps would hang or crash
+                optimizer.step()
+                seen[epoch] += batch["index"].tolist()
+                if stop_after is not None and epoch == epochs - 1 and step == stop_after:
+                    if rank == 0:
+                        torch.save({"model": net.state_dict(), "loader": batches.state_dict()},
+                                   out / "checkpoint.pt")
+                    break
+    result = {"rank": rank, "world_size": world_size, "seen": seen}
+    (out / f"ranks-{world_size}-rank-{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def torchrun(ranks: int, *arguments: str) -> None:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}", __file__, *arguments]
+    subprocess.run(command, check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def launch(out: Path) -> None:
+    """Two ranks for epochs 0, 1 and 6 steps of 2; three ranks resume and finish epoch 2."""
+    from aioloader.testing import TestServer
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        names = write_shards(Path(folder))
+        with TestServer(folder, latency_ms=5) as server:
+            urls = ",".join(server.url + name for name in names)
+            common = ["--urls", urls, "--out", str(out), "--epochs", "3"]
+            torchrun(2, *common, "--stop-after", "6")
+            torchrun(3, *common, "--resume", str(out / "checkpoint.pt"))
+    for world_size in (2, 3):
+        for rank in range(world_size):
+            result = json.loads((out / f"ranks-{world_size}-rank-{rank}.json").read_text())
+            counts = {epoch: len(seen) for epoch, seen in result["seen"].items()}
+            print(f"{world_size} ranks, rank {rank}: samples per epoch {counts}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("distributed-tar-shards"))
+    parser.add_argument("--urls", help="set by the launcher: the shards, comma-separated")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--stop-after", type=int, default=None)
+    parser.add_argument("--resume", type=Path, default=None)
+    args = parser.parse_args()
+    if args.urls:
+        train(args.urls.split(","), args.epochs, args.out, args.stop_after, args.resume)
+    else:
+        launch(args.out)
+
+
+if __name__ == "__main__":
+    main()
