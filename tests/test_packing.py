@@ -142,7 +142,19 @@ def test_pack_tar_shards_of_a_target_size(tmp_path: Path) -> None:
         relative, label = expected[int(sample["__key__"])]
         assert int(sample["cls"]) == label
         assert sample["jpg"] == (tmp_path / "src" / relative).read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src", *(p.name for p in shards)]
+    indexes = [p.with_name(p.name + ".index.json") for p in shards]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["src", *(p.name for p in shards), *(p.name for p in indexes)])
+
+
+def test_packed_tar_indexes_equal_the_ones_made_by_reading_the_shards(tmp_path: Path) -> None:
+    make_tree(tmp_path / "src")
+    shards = [str(p) for p in pack_tar(tmp_path / "src", tmp_path / "t.tar", processes=1,
+                                       shard_bytes=4096)]
+    packed = aioloader.TarShards(shards).starts
+    for shard in shards:
+        Path(shard + ".index.json").unlink()
+    assert aioloader.TarShards(shards, index_dir=tmp_path / "made").starts == packed
 
 
 def test_inspect_reports_counts_labels_and_headers(tmp_path: Path) -> None:

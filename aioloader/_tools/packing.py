@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from .. import recordio
 from .._closing import Closing
+from .._datasets.tarshards import INDEX_SUFFIX, index_document
 
 
 def process_context() -> multiprocessing.context.BaseContext:
@@ -163,7 +164,9 @@ def pack_tar(
     seed: int = 0,
 ) -> list[Path]:
     """Write WebDataset shards OUT-000000.tar, ... of about `shard_bytes` each: per sample
-    `<index>.<ext>` with the image and `<index>.cls` with the label(s)."""
+    `<index>.<ext>` with the image and `<index>.cls` with the label(s); beside each, the index
+    of where its samples start (`OUT-000000.tar.index.json`), so a reader divides epochs by
+    samples without reading the shards first."""
     items = _ordered_items(source, shuffle, seed)
     with staged() as stage, _ShardWriter(out, shard_bytes, stage) as shards:
         for item, data, extension in _loaded(items, options, processes, f"packing {out.name}"):
@@ -213,11 +216,13 @@ class _ShardWriter(Closing):
         self.paths: list[Path] = []
         self._file: BinaryIO | None = None
         self._tar: tarfile.TarFile | None = None
+        self._starts: list[int] = []
 
     def add_sample(self, files: list[tuple[str, bytes]]) -> None:
         if self._tar is None or self._file is None or self._file.tell() >= self._limit:
             self._start_shard()
         assert self._tar is not None
+        self._starts.append(self._tar.offset)
         for name, payload in files:
             info = tarfile.TarInfo(name)
             info.size = len(payload)
@@ -232,6 +237,11 @@ class _ShardWriter(Closing):
     def close(self) -> None:
         if self._tar is not None and self._file is not None:
             self._tar.close()
+            size = self._file.tell()
             self._file.close()
+            shard = self.paths[-1]
+            index = self._stage(shard.with_name(shard.name + INDEX_SUFFIX))
+            index.write_text(index_document(shard.name, self._starts, size))
         self._tar = self._file = None
+        self._starts = []
 
