@@ -188,3 +188,15 @@ def test_inspect_refuses_an_unknown_format_and_a_missing_file(tmp_path: Path) ->
     (tmp_path / "x.zip").write_bytes(b"PK")
     assert "cannot tell the format" in run_failing_cli("inspect", str(tmp_path / "x.zip"))
     assert "no such file" in run_failing_cli("inspect", str(tmp_path / "missing.rec"))
+
+
+def test_inspect_reads_a_brace_pattern_of_shards_and_shows_labels_as_labels(
+    tmp_path: Path,
+) -> None:
+    make_tree(tmp_path / "src")
+    shards = pack_tar(tmp_path / "src", tmp_path / "t.tar", processes=1, shard_bytes=4096)
+    pattern = str(tmp_path / f"t-{{000000..{len(shards) - 1:06d}}}.tar")
+    report = run_cli("inspect", pattern, "--first", "1")
+    assert f"WebDataset tar shards ({len(shards)})" in report and "samples: 10" in report
+    first = report.splitlines()[-1]
+    assert "jpg: " in first and "bytes" in first and "label " in first and "cls:" not in first

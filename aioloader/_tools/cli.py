@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from .._datasets.streaming import expand_braces
 from .._errors import LoaderError
 from .._loopthread import new_event_loop
 from ..storage._storage import check_url, local_path
@@ -43,6 +44,7 @@ FAULT_HELP = {
     "seed": "seed of the random choice of faulty requests",
     "ignore_ranges": "ignore Range headers: answer 200 with the whole file",
     "shift_ranges": "206 answers start this many bytes after the range asked",
+    "no_etag": "send Last-Modified but no ETag (as Python's http.server)",
     "content_encoding": "Content-Encoding sent with every file; gzip and deflate also encode "
     "(default: none)",
 }
@@ -100,15 +102,17 @@ def existing_folder(text: str) -> Path:
 
 
 def url(text: str) -> str:
-    """A local path (which must exist), file://, http(s):// or s3:// URL, kept as text: a Path
-    would turn `http://host/x` into the local path `http:/host/x`."""
-    try:
-        check_url(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    local = local_path(text)
-    if local is not None and not Path(local).exists():
-        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    """A local path (which must exist), file://, http(s):// or s3:// URL, or a brace pattern of
+    them (`train-{000..009}.tar`), kept as text: a Path would turn `http://host/x` into the
+    local path `http:/host/x`."""
+    for one in expand_braces(text):
+        try:
+            check_url(one)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        local = local_path(one)
+        if local is not None and not Path(local).exists():
+            raise argparse.ArgumentTypeError(f"{one}: no such file")
     return text
 
 
@@ -208,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = command("inspect", "counts, sizes and labels of a .rec or .tar", _inspect)
     inspect.add_argument("file", type=url,
-                         help="a .rec (its .idx is used when beside it) or .tar: a local path, "
-                         "http(s):// or s3:// URL")
+                         help="a .rec (its .idx is used when beside it) or .tar shards (brace "
+                         "patterns allowed): a local path, http(s):// or s3:// URL")
     inspect.add_argument("--first", type=non_negative_int, default=5,
                          help="records to show")
 

@@ -54,17 +54,22 @@ def _open_recordio(url: str) -> tuple[RecordIO, str | None]:
 
 
 def _summarize_tar(url: str, first: int) -> str:
-    lines = [f"{url}: WebDataset tar shard"]
+    shards = TarShards(url)
+    lines = [f"{url}: WebDataset tar shard" + (f"s ({len(shards.urls)})" if len(shards.urls) > 1
+                                                else "")]
     sizes, labels, extensions, heads = [], Counter[str](), Counter[str](), []
-    samples = Loader(TarShards(url), batch_size=None, num_workers=0)
+    samples = Loader(shards, batch_size=None, num_workers=0)
     for n, sample in enumerate(samples):
         parts = {k: len(v) for k, v in sample.items() if not k.startswith("__")}
         sizes.append(sum(parts.values()))
         extensions.update(parts.keys())
-        if "cls" in sample:
-            labels[sample["cls"].decode(errors="replace").strip()] += 1
+        label = sample["cls"].decode(errors="replace").strip() if "cls" in sample else None
+        if label is not None:
+            labels[label] += 1
         if n < first:
-            heads.append(f"  {sample['__key__']}: {parts}")
+            shown = ", ".join(f"{k}: {v} bytes" for k, v in parts.items() if k != "cls")
+            heads.append(f"  {sample['__key__']}: {shown}"
+                         + ("" if label is None else f", label {label}"))
     lines += [f"samples: {len(sizes)}", _size_line("sample bytes", sizes)]
     lines += ["extensions: " + ", ".join(f"{e} x{c}" for e, c in extensions.most_common())]
     lines += [*_label_lines(labels), "first samples:", *heads]
