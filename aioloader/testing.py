@@ -4,8 +4,10 @@ with injectable latency and faults; and nginx, for plain static files.
 `TestServer` starts the project's server in its own process on 127.0.0.1 with a free port (also
 `aioloader serve DIR --latency-ms 20` from a shell); faults can be changed while it runs
 (POST /_control, JSON, with the server's control token in the X-Control-Token header) and its
-counters read (GET /_stats). Paths under /_hostile/ misbehave on purpose, for tests of a
-client's defences (see `_FaultyFileServer.hostile`). `Nginx` starts nginx the same way.
+counters read (GET /_stats). Files carry an ETag and Last-Modified and If-Range is honoured,
+so a test may replace a file between a client's requests. Paths under /_hostile/ misbehave on
+purpose, for tests of a client's defences (see `_FaultyFileServer.hostile`). `Nginx` starts
+nginx the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import email.utils
 import functools
 import gzip
 import hmac
@@ -84,6 +87,8 @@ class Faults:
     content_encoding: str = ""
     """Sent as Content-Encoding with every file; gzip and deflate also encode the body (of a
     206 too, which makes no sense: that is the point), other values only label it."""
+    no_etag: bool = False
+    """Files sent without an ETag, with Last-Modified only (as Python's http.server)."""
 
     def __post_init__(self) -> None:
         """Bad settings fail here, where they are made, not as a 500 on every later request."""
@@ -205,10 +210,19 @@ class _FaultyFileServer:
         if not path.is_relative_to(self.root) or not path.is_file():
             self.counts["not_found"] += 1
             return web.Response(status=404, text=f"no such file: {request.path}")
-        size = path.stat().st_size
+        stat = path.stat()
+        size = stat.st_size
+        validators = {"Last-Modified": email.utils.formatdate(stat.st_mtime, usegmt=True)}
+        if not self.faults.no_etag:  # a new file (inode), a write (mtime), a new size
+            validators["ETag"] = f'"{stat.st_ino:x}-{stat.st_mtime_ns:x}-{size:x}"'
         match = _RANGE.match(request.headers.get("Range", ""))
-        if not match or self.faults.ignore_ranges:
-            return self._encoded(200, path.read_bytes(), {"Accept-Ranges": "bytes"})
+        if_range = request.headers.get("If-Range")
+        if (
+            not match
+            or self.faults.ignore_ranges
+            or (if_range is not None and if_range not in validators.values())
+        ):  # If-Range naming another version: the whole file as it is now
+            return self._encoded(200, path.read_bytes(), {"Accept-Ranges": "bytes", **validators})
         first_text, last_text = match.groups()
         if first_text:
             first, last = int(first_text), min(int(last_text or size - 1), size - 1)
@@ -222,7 +236,8 @@ class _FaultyFileServer:
         with path.open("rb") as f:
             f.seek(first)
             body = f.read(last - first + 1)
-        headers = {"Content-Range": f"bytes {first}-{last}/{size}", "Accept-Ranges": "bytes"}
+        headers = {"Content-Range": f"bytes {first}-{last}/{size}", "Accept-Ranges": "bytes",
+                   **validators}
         return self._encoded(206, body, headers)
 
     def _encoded(self, status: int, body: bytes, headers: dict[str, str]) -> web.Response:

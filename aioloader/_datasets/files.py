@@ -1,4 +1,4 @@
-"""One object per sample: local paths, file:// or http(s):// URLs, with optional labels."""
+"""One object per sample: local paths, file://, http(s):// or s3:// URLs, with optional labels."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class Files(Dataset):
 
     @classmethod
     def from_prefix(cls, prefix: str, labels: Iterable[Any] | None = None) -> Files:
-        """Every object under `s3://bucket/prefix`, in key order."""
+        """Every object under `s3://bucket/prefix` (or the whole bucket: `s3://bucket/`), in
+        key order; a listing that fails raises FetchError naming the prefix and S3's answer."""
         from ..storage._s3 import list_keys
 
         if not prefix.startswith("s3://"):

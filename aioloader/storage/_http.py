@@ -18,11 +18,13 @@ from .._errors import FetchError
 from ._counters import StorageCounters
 from ._limits import DEFAULT_MAX_OBJECT_BYTES, check_range, too_large
 from ._retry import Attempts, RetryPolicy, is_retryable, parse_retry_after
+from ._version import Version
 
 log = logging.getLogger("aioloader.storage")
 
 _READ_CHUNK = 1 << 20
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_TOTAL = re.compile(r"bytes \d+-\d+/(\d+)")
 _WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 """zlib's window bits for each Content-Encoding we decode (deflate means zlib-wrapped)."""
 
@@ -92,6 +94,26 @@ def check_content_range(
     raise FetchError(
         url, f"asked for {asked}, the server sent {sent or 'no Content-Range'}", response.status
     )
+
+
+def object_version(response: aiohttp.ClientResponse) -> Version:
+    """The object's ETag, Last-Modified and size as a 200 or 206 answer gives them."""
+    headers = response.headers
+    total = _TOTAL.fullmatch(headers.get("Content-Range", ""))
+    if total is not None:
+        size: int | None = int(total[1])
+    else:  # a 200's length is the object's; a 206 without a total leaves it unknown
+        size = response.content_length if response.status == 200 else None
+    return Version(headers.get("ETag"), headers.get("Last-Modified"), size)
+
+
+def if_range(began: Version) -> dict[str, str]:
+    """If-Range for a resume: the server sends the whole new object (a 200, refused by
+    `Version.check`) rather than a range of it when the object changed. A weak ETag may not be
+    sent there; Last-Modified may."""
+    etag = began.etag if began.etag is not None and not began.etag.startswith("W/") else None
+    validator = etag or began.last_modified
+    return {} if validator is None else {"If-Range": validator}
 
 
 def decoder_bits(url: str, response: aiohttp.ClientResponse, whole: bool) -> int | None:
@@ -172,10 +194,11 @@ class HttpStore:
     async def stream(
         self, url: str, start: int, end: int | None, chunk_size: int
     ) -> AsyncGenerator[bytes, None]:
-        """Chunks of bytes start..end; a broken connection resumes where it stopped, and the
-        retry budget counts failures in a row, so a long stream survives many blips. Not bound
-        by max_object_bytes: a stream holds one chunk at a time (a .rec scanned without its
-        .idx may be 100 GB)."""
+        """Chunks of bytes start..end; a broken connection resumes where it stopped, in the
+        same object (If-Range, and the answer's validator and size checked), and the retry
+        budget counts failures in a row, so a long stream survives many blips. Not bound by
+        max_object_bytes: a stream holds one chunk at a time (a .rec scanned without its .idx
+        may be 100 GB)."""
         session = self._get_session()
         attempts = Attempts(url, self._policy, self._counters)
         # a stream may run for minutes: bound each wait for data, not the whole response
@@ -183,12 +206,16 @@ class HttpStore:
             total=None, sock_connect=self._policy.timeout, sock_read=self._policy.timeout
         )
         position = start
+        began: Version | None = None
         while end is None or position < end:
             try:
                 first = position if end is not None or position > 0 else None
-                headers = range_header(first, end)
+                headers = range_header(first, end) | ({} if began is None else if_range(began))
                 async with session.get(url, headers=headers, timeout=timeout) as response:
+                    if began is not None and response.status in (200, 206):
+                        began.check(url, object_version(response), position)
                     body = self._body(url, response, first, end, None, chunk_size, whole=False)
+                    began = began or object_version(response)
                     async with aclosing(body):
                         async for chunk in body:
                             position += len(chunk)

@@ -14,21 +14,50 @@ import os
 import re
 from collections.abc import AsyncGenerator
 from typing import Any
-from urllib.parse import urlsplit
 
 from .._errors import FetchError
 from ._counters import StorageCounters
 from ._limits import DEFAULT_MAX_OBJECT_BYTES, check_range, too_large
 from ._retry import Attempts, RetryPolicy, is_retryable
+from ._version import Version, changed
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>(\w+)</Code>")
+_MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
-def split(url: str) -> tuple[str, str]:
-    """(bucket, key) of an s3:// URL."""
-    parts = urlsplit(url)
-    return parts.netloc, parts.path.lstrip("/")
+def split(url: str, prefix: bool = False) -> tuple[str, str]:
+    """(bucket, key) of an s3://bucket/key URL, taken literally as S3 takes keys (`?` and `#`
+    belong to the key). A ValueError naming the URL for what S3 would read as another thing
+    than meant: a bucket name against S3's rules, no key (a GET of the bucket is its listing),
+    an empty path segment. A `prefix` may be empty (the whole bucket) and end in `/`."""
+    bucket, _, key = url[len("s3://"):].partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise ValueError(
+            f"{url!r}: bucket name {bucket!r} breaks S3's naming rules (3 to 63 lowercase "
+            "letters, digits, dots and hyphens, starting and ending with a letter or digit)"
+        )
+    segments = key.split("/")
+    if not prefix and not key:
+        raise ValueError(f"{url!r} has no object key: give s3://{bucket}/KEY")
+    if "" in (segments[:-1] if prefix else segments):
+        raise ValueError(f"{url!r} has an empty path segment (// or a key ending in /)")
+    return bucket, key
+
+
+def _reason(error: Exception) -> tuple[str, int | None]:
+    """(one line saying what went wrong, the HTTP status) of an obstore error, whose text runs
+    on for dozens of lines of debug output; S3's error code and message when it sent them."""
+    text = str(error)
+    found = _STATUS.search(text)
+    status = int(found[1]) if found else None
+    if isinstance(error, FileNotFoundError):  # obstore 0.12's missing key
+        status = 404
+    code, message = _CODE.search(text), _MESSAGE.search(text)
+    if code is None:
+        return (text.splitlines() or [type(error).__name__])[0][:300], status
+    return code[1] + (f": {message[1]}" if message else ""), status
 
 
 def import_obstore() -> Any:
@@ -89,15 +118,10 @@ class S3Store:
         retry."""
         if isinstance(error, FetchError):
             raise error
-        text = str(error)
-        status_match, code = _STATUS.search(text), _CODE.search(text)
-        status = int(status_match[1]) if status_match else None
-        if isinstance(error, FileNotFoundError):
-            status = 404
+        reason, status = _reason(error)
         if isinstance(error, self._final) or (status is not None and not is_retryable(status)):
-            reason = text.split(":", 1)[0][:200] + (f" ({code[1]})" if code else "")
             raise FetchError(url, reason, status) from error
-        await attempts.failed(f"{type(error).__name__}: {text.splitlines()[0][:200]}", status)
+        await attempts.failed(f"{type(error).__name__}: {reason}", status)
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
         check_range(url, start, end, self._max_bytes)
@@ -128,21 +152,33 @@ class S3Store:
     async def stream(
         self, url: str, start: int, end: int | None, chunk_size: int
     ) -> AsyncGenerator[bytes, None]:
-        """Chunks of bytes start..end; a broken stream resumes where it stopped. Not bound by
-        max_object_bytes: a stream holds one chunk at a time."""
+        """Chunks of bytes start..end; a broken stream resumes where it stopped, in the same
+        object (If-Match its ETag, and its size checked). Not bound by max_object_bytes: a
+        stream holds one chunk at a time."""
         store, key = self._locate(url)
         attempts = Attempts(url, self._policy, self._counters)
         position = start
+        began: Version | None = None
         while end is None or position < end:
             try:
                 self._counters.requests += 1
-                window = {"range": {"offset": position} if end is None else (position, end)}
-                result = await self._obstore.get_async(store, key, options=window)
+                options: dict[str, Any] = {
+                    "range": {"offset": position} if end is None else (position, end)
+                }
+                if began is not None and began.etag is not None:
+                    options["if_match"] = began.etag
+                result = await self._obstore.get_async(store, key, options=options)
+                now = _version(result.meta)
+                if began is not None:
+                    began.check(url, now, position)
+                began = began or now
                 async for chunk in result.stream(min_chunk_size=chunk_size):
                     position += len(chunk)
                     attempts.reset()
                     yield bytes(chunk)
                 return
+            except self._obstore.exceptions.PreconditionError as e:  # If-Match refused
+                raise changed(url, position, f"it no longer matches {began}") from e
             except Exception as e:
                 await self._attempt(url, attempts, e)
 
@@ -153,10 +189,21 @@ class S3Store:
             raise too_large(url, self._max_bytes, f"the object has {size} bytes to read")
 
 
+def _version(meta: Any) -> Version:
+    """The object's ETag, Last-Modified and size as a get's metadata gives them (its size is
+    the whole object's, also for a range)."""
+    return Version(meta["e_tag"], meta["last_modified"].isoformat(), int(meta["size"]))
+
+
 def list_keys(prefix_url: str) -> list[str]:
-    """s3:// URLs of every object under an s3://bucket/prefix, in key order."""
+    """s3:// URLs of every object under an s3://bucket/prefix (which may be empty: the whole
+    bucket), in key order."""
     obstore = import_obstore()
-    bucket, prefix = split(prefix_url)
+    bucket, prefix = split(prefix_url, prefix=True)
     store = make_store(bucket)
-    keys = [item["path"] for batch in obstore.list(store, prefix or None) for item in batch]
+    try:
+        keys = [item["path"] for batch in obstore.list(store, prefix or None) for item in batch]
+    except Exception as e:
+        reason, status = _reason(e)
+        raise FetchError(prefix_url, f"{reason} (listing the prefix)", status) from e
     return [f"s3://{bucket}/{key}" for key in sorted(keys)]

@@ -22,7 +22,7 @@ from ._http import HttpStore
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore
 from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
-from ._s3 import S3Store
+from ._s3 import S3Store, split
 
 SCHEMES = ("", "file", "http", "https", "s3")
 _current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
@@ -31,7 +31,8 @@ _current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
 
 
 def check_url(url: str) -> str:
-    """Return `url` if some store can read it, else raise a ValueError that says what can."""
+    """Return `url` if some store can read it, else raise a ValueError that says what can, or
+    what is wrong with it (see `_s3.split` and `local_path`)."""
     scheme = urlsplit(url).scheme.lower()
     if len(scheme) == 1 and os.name == "nt":  # a Windows drive letter, not a scheme
         scheme = ""
@@ -40,13 +41,23 @@ def check_url(url: str) -> str:
             f"unknown URL scheme {scheme!r} in {url!r}: use a local path, file://, http://, "
             "https:// or s3://"
         )
+    if scheme == "s3":
+        split(url)
+    else:
+        local_path(url)
     return url
 
 
 def local_path(url: str) -> str | None:
-    """The file-system path a local URL names, or None for a remote URL."""
+    """The file-system path a local URL names, or None for a remote URL. A file:// URL naming
+    another host is a ValueError: its path would be read on this one."""
     parts = urlsplit(url)
     if parts.scheme == "file":
+        if parts.netloc.lower() not in ("", "localhost"):
+            raise ValueError(
+                f"{url!r} names the host {parts.netloc!r}: file:// reads this machine's files "
+                "(file:///path or file://localhost/path); use http(s):// for another host"
+            )
         return unquote(parts.path)
     if parts.scheme in ("http", "https", "s3"):
         return None
@@ -87,7 +98,7 @@ class Storage(AsyncClosing):
 
     def _remote(self, url: str) -> HttpStore | S3Store:
         """The store for a remote URL: S3 (made on first use: it needs obstore) or HTTP."""
-        if not url.startswith("s3://"):
+        if url[:5].lower() != "s3://":
             return self._http
         if self._s3 is None:
             self._s3 = S3Store(self._policy, self.counters, self._max_object_bytes)
