@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-from collections import deque
+import functools
 from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from .._loopthread import run_sync
 from .._sampling import ShardInfo, epoch_order, get_shard_info
 from ..storage import _storage as storage
 from .base import Stream
-from .streaming import expand_braces
+from .streaming import expand_braces, ordered_ahead
 
 _FILE_ORDER = 5
 
@@ -83,35 +84,22 @@ class StreamBatches(Stream):
         segment = sum(self.sizes) // (self.batch_size * info.world_size)
         first_stream = info.rank * self.batch_size
         steps = range(position // self.batch_size, self.steps(info))
-        pending: deque[asyncio.Task[list[bytes]]] = deque()
         async with storage.borrowed() as reads:
 
-            def read_step(step: int) -> asyncio.Task[list[bytes]]:
+            async def read_step(step: int) -> list[bytes]:
                 starts = [
                     (first_stream + j) * segment + step * self.chunk_bytes
                     for j in range(self.batch_size)
                 ]
-                return asyncio.ensure_future(asyncio.gather(
+                return list(await asyncio.gather(
                     *(_read_across(reads, files, s, s + self.chunk_bytes) for s in starts)
                 ))
 
-            try:
-                upcoming = iter(steps)
-                for step in upcoming:
-                    pending.append(read_step(step))
-                    if len(pending) >= self.steps_ahead:
-                        break
-                while pending:
-                    chunks = await pending.popleft()
-                    next_step = next(upcoming, None)
-                    if next_step is not None:
-                        pending.append(read_step(next_step))
+            jobs = ((functools.partial(read_step, step), 0) for step in steps)
+            async with aclosing(ordered_ahead(jobs, self.steps_ahead - 1)) as batches:
+                async for chunks in batches:
                     for chunk in chunks:
                         yield chunk
-            finally:
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def _sizes(urls: list[str]) -> list[int]:
