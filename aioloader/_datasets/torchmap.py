@@ -1,5 +1,5 @@
 """`from_torch`: a map-style PyTorch Dataset (or anything with `__len__` and `__getitem__`) as a
-source for the Loader, its `__getitem__` run in the decode processes on threads."""
+source for the Loader, its `__getitem__` run in the decode processes."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ from .base import Dataset
 
 
 class FromTorch(Dataset):
-    """Sends only indices from the event loop; each decode process calls `__getitem__` on
-    `io_threads` threads, so `num_workers * io_threads` items are in flight: the blocking
-    reads of a usual `__getitem__` (open, requests, boto3) overlap as aioloader's own reads do.
-    """
+    """Sends only indices from the event loop; each decode process calls `__getitem__` on its
+    copy of the dataset, on `io_threads` threads at once, so `num_workers * io_threads` items
+    are in flight."""
 
     batched_fetch = True
 
-    def __init__(self, dataset: Any, io_threads: int = 16) -> None:
+    def __init__(self, dataset: Any, io_threads: int = 1) -> None:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
                 "from_torch takes a map-style dataset (__len__ and __getitem__), got "
@@ -44,12 +43,23 @@ class FromTorch(Dataset):
         return self.dataset.__getitem__, self.io_threads
 
 
-def from_torch(dataset: Any, io_threads: int = 16) -> FromTorch:
+def from_torch(dataset: Any, io_threads: int = 1) -> FromTorch:
     """A map-style `torch.utils.data.Dataset` as a source for `aioloader.Loader`.
 
-    `__getitem__` runs in the decode processes, `io_threads` at a time in each, so blocking
-    reads overlap; batches equal those of `DataLoader(dataset, batch_size=..., shuffle=False)`
-    (as numpy arrays; `aioloader.torch.TorchLoader` gives tensors). The dataset travels to
-    the decode processes by value, once per process.
+    `__getitem__` runs in the decode processes; batches equal those of
+    `DataLoader(dataset, batch_size=..., shuffle=False)` (as numpy arrays;
+    `aioloader.torch.TorchLoader` gives tensors). The dataset travels to each decode process by
+    value, once, so each has its own copy, as each DataLoader worker has.
+
+    By default each copy sees one `__getitem__` at a time, as in a DataLoader worker, so a
+    dataset written for DataLoader (one file handle: seek, then read) gives the right samples.
+    `io_threads=N` runs N calls at once on the same copy, so that blocking reads (open,
+    requests, boto3) overlap, `num_workers * N` in flight: pass it when `__getitem__` is
+    thread-safe (it keeps no state shared between calls, or guards it with a lock).
+
+    Why not a copy of the dataset per thread, which would make any `__getitem__` safe on
+    threads: the datasets that wait on I/O are the ones that hold an index of every sample
+    (paths, URLs, labels: hundreds of MB for ImageNet), and a copy per thread of each process
+    would multiply that memory by `io_threads`.
     """
     return FromTorch(dataset, io_threads)

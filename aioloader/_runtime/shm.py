@@ -68,16 +68,17 @@ def reserve(descriptor: int, offset: int, length: int) -> None:
         raise
 
 
-def create(name: str, size: int, reserved: bool = True) -> mmap.mmap:
+def create(name: str, size: int, reserved: bool = True, populate: bool = False) -> mmap.mmap:
     """A new segment of `size` bytes, mode 0600; with `reserved`, its pages are allocated now
-    (NoSpace if they do not fit), else it is sparse and the caller reserves ranges itself."""
+    (NoSpace if they do not fit), else it is sparse and the caller reserves ranges itself.
+    `populate`: see `attach`."""
     descriptor = os.open(path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         if reserved:
             reserve(descriptor, 0, size)
         else:
             os.ftruncate(descriptor, size)
-        return mmap.mmap(descriptor, size)
+        return _map(descriptor, size, populate)
     except BaseException:
         unlink(name)
         raise
@@ -129,13 +130,20 @@ def _check(info: os.stat_result, name: str) -> None:
         )
 
 
-def attach(name: str) -> mmap.mmap:
-    """Map an existing segment of this user's."""
+def attach(name: str, populate: bool = False) -> mmap.mmap:
+    """Map an existing segment of this user's. `populate` maps every page now, in one call:
+    for a segment about to be written whole and mapped only briefly, that costs less than a
+    page fault per page (never for a sparse segment, whose holes it would fill)."""
     descriptor = open_owned(name)
     try:
-        return mmap.mmap(descriptor, 0)
+        return _map(descriptor, 0, populate)
     finally:
         os.close(descriptor)
+
+
+def _map(descriptor: int, size: int, populate: bool) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+    return mmap.mmap(descriptor, size, flags=flags)
 
 
 def unlink(name: str) -> None:

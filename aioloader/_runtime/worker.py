@@ -131,6 +131,22 @@ class DecodeSpec:
         return self.augment(value)
 
 
+def own_elements(value: Any) -> Any:
+    """`value` with each torch tensor that views a larger storage replaced by a copy of its
+    own elements. Pickling a tensor sends its whole storage, so a 1 KiB slice of a 64 MiB
+    tensor would cross as 64 MiB (DataLoader's workers share storages instead)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not transport.holds(value, torch.Tensor):
+        return value
+
+    def own(tensor: Any) -> Any:
+        if tensor.layout == torch.strided and tensor.untyped_storage().nbytes() > tensor.nbytes:
+            return tensor.clone()
+        return tensor
+
+    return transport.map_arrays(value, own, torch.Tensor)
+
+
 @dataclass
 class Chunk:
     epoch: int
@@ -138,6 +154,10 @@ class Chunk:
     raws: list[Any]
     slot: transport.Slot | None = None
     """A shared-memory block to hand the result back in, when the main process has one."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for a decode process: tensor views travel as their own elements."""
+        return {**vars(self), "raws": own_elements(self.raws)}
 
 
 @dataclass
@@ -159,6 +179,10 @@ class ChunkResult:
     """Bytes the items' arrays need in shared memory."""
     no_space: bool = False
     """/dev/shm could not hold the block: the items came pickled instead."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for the main process: tensor views travel as their own elements."""
+        return {**vars(self), "items": own_elements(self.items)}
 
 
 def one_line(error: BaseException) -> str:
