@@ -13,6 +13,7 @@ import typing as _typing
 __version__ = "0.1.0"
 
 __all__ = [
+    "CorruptEntry",
     "Dataset",
     "DecodeTimeoutError",
     "FetchError",
@@ -22,15 +23,18 @@ __all__ = [
     "LoaderStats",
     "Mix",
     "Mixed",
+    "NotOwned",
     "Parquet",
     "ParquetError",
     "RecordIO",
+    "RecordIOError",
     "SampleError",
     "ShardInfo",
     "SharedCache",
     "StallError",
     "Stream",
     "StreamBatches",
+    "TarFormatError",
     "TarShards",
     "WorkerDiedError",
     "WorkerInfo",
@@ -65,6 +69,10 @@ _WHERE = {
     "WorkerDiedError": "_errors",
     "WorkerInfo": "_runtime.worker",
     "default_collate": "_collate",
+    "CorruptEntry": "_cache",
+    "NotOwned": "_runtime.shm",
+    "RecordIOError": "recordio",
+    "TarFormatError": "_tar",
     "from_torch": "_datasets",
     "get_shard_info": "_sampling",
     "get_worker_info": "_runtime.worker",
@@ -73,7 +81,7 @@ _SUBMODULES = {"recordio", "storage", "testing", "torch", "vision"}
 
 if _typing.TYPE_CHECKING:
     from . import storage, vision
-    from ._cache import SharedCache
+    from ._cache import CorruptEntry, SharedCache
     from ._collate import default_collate
     from ._datasets import (
         Dataset,
@@ -97,6 +105,9 @@ if _typing.TYPE_CHECKING:
         WorkerDiedError,
     )
     from ._loader import Loader
+    from ._runtime.shm import NotOwned
+    from ._tar import TarFormatError
+    from .recordio import RecordIOError
     from ._runtime.worker import WorkerInfo, get_worker_info
     from ._sampling import ShardInfo, get_shard_info
     from ._stats import LoaderStats
