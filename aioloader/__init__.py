@@ -106,11 +106,11 @@ if _typing.TYPE_CHECKING:
     )
     from ._loader import Loader
     from ._runtime.shm import NotOwned
-    from ._tar import TarFormatError
-    from .recordio import RecordIOError
     from ._runtime.worker import WorkerInfo, get_worker_info
     from ._sampling import ShardInfo, get_shard_info
     from ._stats import LoaderStats
+    from ._tar import TarFormatError
+    from .recordio import RecordIOError
 
 
 def __getattr__(name: str) -> _typing.Any:
