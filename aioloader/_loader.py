@@ -231,6 +231,7 @@ class Loader(Closing, AsyncClosing):
         self.executor = executor
         load, threads = (None, 1) if isinstance(dataset, Stream) else (
             dataset.load_in_workers() or (None, 1))
+        self.stats.load_threads = threads if load is not None else 0
         self._spec = DecodeSpec(
             decode, collate if batch_size else None, on_error == "skip", seed, augment, cache,
             load, threads,
@@ -316,6 +317,9 @@ class Loader(Closing, AsyncClosing):
         state_at = getattr(self.dataset, "state_at", None)
         if state_at is not None:  # a mixture: where each source stands, for people to read
             state["sources"] = state_at(self._epoch, self.seed, position)
+        fingerprint = getattr(self.dataset, "fingerprint", None)
+        if fingerprint is not None:  # a mixture: its sources, weights and lengths
+            state["mixture"] = fingerprint()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -323,6 +327,9 @@ class Loader(Closing, AsyncClosing):
         does not fit this data (a position past the epoch, another world size for a stream
         that needs the same) is refused here, naming what is wrong."""
         epoch, position = _check_state(state)
+        check_state = getattr(self.dataset, "check_state", None)
+        if check_state is not None:  # a mixture: the same sources, weights and lengths
+            check_state(state)
         remaining = None
         if isinstance(self.dataset, IndexedStream):
             total = int(self.dataset.unit_sizes.sum())
@@ -428,6 +435,7 @@ class Loader(Closing, AsyncClosing):
         stats = self.stats
         # a stream is pulled one item at a time, whatever it reads ahead itself
         stats.concurrency = 1 if isinstance(self.dataset, Stream) else self.concurrency
+        stats.stream = isinstance(self.dataset, Stream)
         stats.decode_processes = self.num_workers
         reads = autotune.ReadLimit(self.concurrency)
         connections = autotune.HIGHEST if self.auto_concurrency else self.concurrency

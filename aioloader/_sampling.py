@@ -32,9 +32,9 @@ class Spawn(IntEnum):
     WORKER_SEEDS = 2
     SAMPLE_SEQUENCE = 3
     FILE_ORDER = 5
-    MIX_DRAWS = 9
-    MIX_SOURCES = 10
-    """The first of the mixture's sources; source s uses MIX_SOURCES + s."""
+    MIX_DRAWS = 7
+    MIX_SOURCES = 8
+    """The first of the mixture's sources; source s uses MIX_SOURCES + s, so it stays last."""
 
 
 def epoch_order(

@@ -73,6 +73,11 @@ class LoaderStats:
     """Seconds the consumer waited for a batch."""
     concurrency: int = 0
     """Reads allowed in flight (chosen by the loader when concurrency="auto")."""
+    stream: bool = False
+    """The source is a stream, pulled one item at a time: `concurrency` does not apply to it."""
+    load_threads: int = 0
+    """Threads per decode process running the dataset's loads (`from_torch`'s `__getitem__`);
+    0 when the items are read in the event loop."""
     decode_processes: int = 0
     busy_seconds: float = 0.0
     """Wall seconds spent inside runs (from first request to end or break)."""
@@ -137,19 +142,43 @@ class LoaderStats:
                 "keeps up (prefetch absorbs the jitter)"
             )
         workers = max(self.decode_processes, 1)
-        decode_share = self.decode.total / (self.busy_seconds * workers)
+        # with loads in the decode processes, each runs load_threads samples at once
+        decode_share = self.decode.total / (self.busy_seconds * workers * max(self.load_threads, 1))
+        if decode_share > 0.7 and self.load_threads:
+            return (
+                f"bound by the loads in the decode processes: __getitem__ took "
+                f"{self.decode.percentile(50) * 1e3:.1f} ms (p50) and kept the {workers} "
+                f"process(es) x {self.load_threads} io_threads {min(decode_share, 1):.0%} busy; "
+                "raise io_threads when __getitem__ waits on reads, num_workers when it computes"
+            )
         if decode_share > 0.7:
             return (
                 f"bound by decode: the {workers} decode process(es) were busy "
                 f"{min(decode_share, 1):.0%} of the time; raise num_workers, or cache decoded "
                 "samples with SharedCache"
             )
-        reads_share = self.fetch.total / (self.busy_seconds * max(self.concurrency, 1))
+        in_flight = self.fetch.total / self.busy_seconds  # reads in flight on average
+        reads_share = in_flight / max(self.concurrency, 1)
+        if self.stream and reads_share > 0.5:
+            return (
+                f"bound by the stream: the loader waited for its next item "
+                f"{min(reads_share, 1):.0%} of the time; a stream is pulled one item at a time, "
+                "so concurrency does not help: the stream's own read-ahead is the limit (more "
+                "shards or files read at once, larger items)"
+            )
         if reads_share > 0.5:
             return (
                 f"bound by storage: reads take {self.fetch.percentile(50) * 1e3:.1f} ms (p50) and "
                 f"kept the {self.concurrency} read slot(s) {min(reads_share, 1):.0%} busy while "
                 f"decode was busy only {decode_share:.0%}; raise concurrency"
+            )
+        if in_flight >= 1:
+            return (
+                f"bound by storage: reads take {self.fetch.percentile(50) * 1e3:.1f} ms (p50) "
+                f"with only {in_flight:.1f} of {self.concurrency} read slots in use on average: "
+                "the server answers slowly whatever the number of reads (saturated?), so more "
+                "concurrency will not help; read from a faster or nearer store, cache (cache_dir), "
+                "or read fewer, larger objects"
             )
         return (
             f"bound by the event loop's own work: reads kept their slots {reads_share:.0%} "

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
+import math
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -24,18 +25,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .._sampling import ShardInfo, call_with_shard_info, epoch_order, get_shard_info
+from .._errors import LoaderError
+from .._sampling import ShardInfo, Spawn, call_with_shard_info, epoch_order, get_shard_info
+from ..storage import _storage as storage
 from .base import Dataset, Stream
 
 BLOCK = 1 << 16
 """Positions whose draws are made at once: draws are computed block by block, never the whole
 epoch, so an epoch of billions costs nothing up front."""
-_DRAWS, _SOURCE_ORDER = 7, 8
-"""Spawn keys: the draws and each source's per-pass orders are independent random streams."""
 _KEPT_BLOCKS = 4
 _KEPT_ORDERS = 8
-
-
 @dataclass(frozen=True)
 class Mixed:
     """A raw item of a mixture: the name of its source and the source's own raw item; what
@@ -55,15 +54,15 @@ class Draws:
     before it."""
 
     def __init__(self, weights: Sequence[float]) -> None:
-        total = float(sum(weights))
-        self._edges = np.cumsum(np.asarray(weights, float) / total)
+        """`weights`: finite, summing to 1."""
+        self._edges = np.cumsum(np.asarray(weights, float))
         self._edges[-1] = 1.0
         self._sources = len(weights)
         self._blocks: OrderedDict[tuple[int, int, int], tuple[Any, Any]] = OrderedDict()
         self._bases: dict[tuple[int, int], list[npt.NDArray[np.int64]]] = {}
 
     def _draw_block(self, seed: int, epoch: int, block: int) -> npt.NDArray[np.int64]:
-        sequence = np.random.SeedSequence([seed, epoch, block], spawn_key=(_DRAWS,))
+        sequence = np.random.SeedSequence([seed, epoch, block], spawn_key=(Spawn.MIX_DRAWS,))
         uniform = np.random.default_rng(sequence).random(BLOCK)
         return np.searchsorted(self._edges, uniform, side="right").astype(np.int64)
 
@@ -116,16 +115,13 @@ class _Sources:
             str(n): s for n, s in enumerate(sources)}
         if not named:
             raise ValueError("Mix needs at least one source")
-        weights = [1.0] * len(named) if weights is None else list(weights)
-        if len(weights) != len(named) or any(not w >= 0 for w in weights) or not sum(weights):
-            raise ValueError(f"Mix needs one weight >= 0 per source ({len(named)}), not all 0; "
-                             f"got {weights}")
         self.names = list(named)
         self.sources = list(named.values())
-        self.weights = [w / sum(weights) for w in weights]
-        self.draws = Draws(weights)
+        self.weights = normalised(self.names, [1.0] * len(named) if weights is None else weights)
+        self.draws = Draws(self.weights)
         self.drawn = [0] * len(named)
-        """Samples taken from each source so far: `shares()` reports them."""
+        """Items each source returned so far (a draw counts once its item is in hand):
+        `shares()` reports them."""
         self._orders: OrderedDict[tuple[int, ...], npt.NDArray[np.int64]] = OrderedDict()
 
     def order(self, source: int, info: ShardInfo, passes: int, length: int) -> Any:
@@ -135,7 +131,7 @@ class _Sources:
         order = self._orders.pop(key, None)
         if order is None:
             order = epoch_order(length, info.shuffle, info.seed, pass_epoch(info.epoch, passes),
-                                _SOURCE_ORDER + source)
+                                Spawn.MIX_SOURCES + source)
         self._orders[key] = order
         while len(self._orders) > _KEPT_ORDERS:
             self._orders.popitem(last=False)
@@ -152,7 +148,67 @@ class _Sources:
                 for name, count in zip(self.names, self.drawn, strict=True)}
 
 
-class MixDataset(Dataset):
+def normalised(names: Sequence[str], weights: Sequence[float]) -> list[float]:
+    """The weights scaled to sum to 1: each finite and >= 0, not all 0. Divided by the largest
+    first, so that weights near the float maximum do not overflow their sum."""
+    weights = list(weights)
+    if len(weights) != len(names):
+        raise ValueError(f"Mix needs one weight per source ({len(names)}), got {weights}")
+    for name, weight in zip(names, weights, strict=True):
+        if not (weight >= 0 and math.isfinite(weight)):
+            raise ValueError(f"the weight of source {name!r} is {weight!r}: Mix needs one "
+                             "weight per source, a finite number >= 0")
+    largest = max(weights)
+    if not largest:
+        raise ValueError(f"Mix needs at least one weight above 0, got {weights}")
+    scaled = [weight / largest for weight in weights]
+    total = math.fsum(scaled)
+    return [weight / total for weight in scaled]
+
+
+class _Mixture:
+    """What both kinds of mixture tell about themselves: shares drawn, and a description a
+    saved state is checked against."""
+
+    _mix: _Sources
+
+    def shares(self) -> dict[str, float]:
+        return self._mix.shares()
+
+    def _lengths(self) -> list[int | None]:
+        """Each source's length; None for a stream, whose share of a rank is known only in a
+        pass."""
+        return [None if isinstance(s, Stream) else len(s) for s in self._mix.sources]
+
+    def fingerprint(self) -> dict[str, dict[str, Any]]:
+        """Each source (in draw order) with its weight and length: what a saved position means
+        depends on them. JSON-serialisable, kept in the loader's state."""
+        return {name: {"weight": weight, "length": length} for name, weight, length in
+                zip(self._mix.names, self._mix.weights, self._lengths(), strict=True)}
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse a state saved for another mixture (other sources, weights or lengths): its
+        position would resume other draws, silently. A state without a description (saved
+        before mixtures kept one) is accepted."""
+        saved = state.get("mixture")
+        if saved is None:
+            return
+        if list(saved) != self._mix.names:
+            raise LoaderError(f"this state was saved for a mixture of the sources {list(saved)}, "
+                              f"not {self._mix.names}: it cannot resume this one")
+        changes = []
+        for (name, was), weight, length in zip(saved.items(), self._mix.weights, self._lengths(),
+                                               strict=True):
+            if not math.isclose(was["weight"], weight, rel_tol=1e-9):
+                changes.append(f"source {name!r} had weight {was['weight']:.6g}, now {weight:.6g}")
+            if was["length"] != length:
+                changes.append(f"source {name!r} had {was['length']} samples, now {length}")
+        if changes:
+            raise LoaderError("this state was saved for another mixture: " + "; ".join(changes)
+                              + "; resuming would not continue the saved run")
+
+
+class MixDataset(_Mixture, Dataset):
     """A mixture of map-style sources: position p of an epoch is one draw."""
 
     def __init__(self, sources: _Sources, samples_per_epoch: int) -> None:
@@ -182,12 +238,13 @@ class MixDataset(Dataset):
 
     async def fetch(self, index: int) -> Mixed:
         source, inner = self._where(index)
-        self._mix.drawn[source] += 1
         item = await self._mix.sources[source].fetch(inner)
+        self._mix.drawn[source] += 1
         return Mixed(self._mix.names[source], item)
 
     async def fetch_many(self, indices: Sequence[int]) -> list[Any]:
-        """Each source's share of a chunk in one call when it reads in batches."""
+        """Each source's share of a chunk in one call when it reads in batches. Draws count
+        only when every item is in: the loader reads a failed chunk again through `fetch`."""
         where = [self._where(i) for i in indices]
         out: list[Any] = [None] * len(indices)
         groups: dict[int, list[int]] = {}
@@ -203,9 +260,10 @@ class MixDataset(Dataset):
                 items = await asyncio.gather(*(dataset.fetch(i) for i in inner))
             for n, item in zip(slots, items, strict=True):
                 out[n] = Mixed(self._mix.names[source], item)
-            self._mix.drawn[source] += len(slots)
 
         await asyncio.gather(*(read(s, slots) for s, slots in groups.items()))
+        for source, slots in groups.items():
+            self._mix.drawn[source] += len(slots)
         return out
 
     def state_at(self, epoch: int, seed: int, position: int) -> dict[str, Any]:
@@ -218,11 +276,8 @@ class MixDataset(Dataset):
                                             strict=True)
         }
 
-    def shares(self) -> dict[str, float]:
-        return self._mix.shares()
 
-
-class MixStream(Stream):
+class MixStream(_Mixture, Stream):
     """A mixture with a stream among its sources: read per rank. Item n of this rank draws at
     position n * world_size + rank; a stream source that runs out starts its next pass."""
 
@@ -266,31 +321,42 @@ class MixStream(Stream):
         taken = [0] * len(self._mix.sources)
         for n in range(position):
             taken[draws.at(info.seed, info.epoch, n * info.world_size + info.rank)[0]] += 1
-        readers = [_Reader(self._mix, s, info, taken[s]) for s in range(len(taken))]
+        ahead = await _reads_allowed()
+        readers = [_Reader(self._mix, s, info, taken[s], ahead) for s in range(len(taken))]
         try:
             for n in range(position, stop):
                 source, _ = draws.at(info.seed, info.epoch, n * info.world_size + info.rank)
+                item = await readers[source].next()
                 self._mix.drawn[source] += 1
-                yield Mixed(self._mix.names[source], await readers[source].next())
+                yield Mixed(self._mix.names[source], item)
         finally:
             for reader in readers:
                 await reader.aclose()
 
-    def shares(self) -> dict[str, float]:
-        return self._mix.shares()
+
+async def _reads_allowed() -> int:
+    """Reads the running loader keeps in flight (its storage's concurrency), so that a
+    map-style source inside a stream mixture reads as far ahead as the loader would read it
+    alone; the stream itself is pulled one item at a time."""
+    async with storage.borrowed() as reads:
+        return reads.concurrency
 
 
 class _Reader:
     """A source read as one endless sequence of passes (this rank's share of each), from its
     k-th item on."""
 
-    def __init__(self, mix: _Sources, source: int, info: ShardInfo, skip: int) -> None:
+    def __init__(self, mix: _Sources, source: int, info: ShardInfo, skip: int,
+                 ahead: int) -> None:
         self._mix = mix
         self._source = source
         self._info = info
         self._passes = 0
         self._skip = skip
+        self._ahead = ahead
         self._items: AsyncGenerator[Any, None] | None = None
+        self._gave = False
+        """Whether the current pass gave an item yet."""
 
     def _pass_info(self) -> ShardInfo:
         epoch = pass_epoch(self._info.epoch, self._passes)
@@ -303,18 +369,29 @@ class _Reader:
         if isinstance(dataset, Stream):
             return call_with_shard_info(info, lambda: dataset.iter_from(0))
         order = self._mix.order(self._source, self._info, self._passes, len(dataset))
-        return _dataset_items(dataset, order[info.rank :: info.world_size])
+        return _dataset_items(dataset, order[info.rank :: info.world_size], self._ahead)
 
     async def next(self) -> Any:
+        """The next item, starting the source's next pass when one ends. A pass without a
+        single item fails: the source has nothing for this rank, and the next pass would have
+        nothing either (opening them one after another, without ever awaiting, would hang the
+        loop and its stall watchdog with it)."""
         while True:
             if self._items is None:
-                self._items = self._open()
+                self._items, self._gave = self._open(), False
             try:
                 item = await anext(self._items)
             except StopAsyncIteration:
                 self._items = None
+                if not self._gave:
+                    name = self._mix.names[self._source]
+                    raise LoaderError(
+                        f"source {name!r} of the mixture gave no items for rank "
+                        f"{self._info.rank} of {self._info.world_size}") from None
                 self._passes += 1
+                await asyncio.sleep(0)  # skipping may run through passes: let the loop run
                 continue
+            self._gave = True
             if self._skip:
                 self._skip -= 1
                 continue
@@ -326,17 +403,17 @@ class _Reader:
                 await self._items.aclose()
 
 
-async def _dataset_items(dataset: Dataset, indices: Any) -> AsyncGenerator[Any, None]:
-    """A map-style source's pass as a stream (this rank's share), read a few ahead."""
-    ahead = 16
-    pending: list[asyncio.Task[Any]] = []
+async def _dataset_items(dataset: Dataset, indices: Any,
+                         ahead: int) -> AsyncGenerator[Any, None]:
+    """A map-style source's pass as a stream (this rank's share), read `ahead` items ahead."""
+    pending: deque[asyncio.Task[Any]] = deque()
     try:
         for index in indices.tolist():
             pending.append(asyncio.ensure_future(dataset.fetch(index)))
             if len(pending) >= ahead:
-                yield await pending.pop(0)
+                yield await pending.popleft()
         while pending:
-            yield await pending.pop(0)
+            yield await pending.popleft()
     finally:
         for task in pending:
             task.cancel()

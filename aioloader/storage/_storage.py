@@ -83,6 +83,8 @@ class Storage(AsyncClosing):
         Hedger given here keeps what it learnt of read times from one storage to the next."""
         if max_object_bytes < 1:
             raise ValueError(f"max_object_bytes must be 1 or more, got {max_object_bytes}")
+        self.concurrency = concurrency
+        """Reads in flight this storage is sized for (streams read that far ahead)."""
         self.counters = counters if counters is not None else StorageCounters()
         self._disk_cache = disk_cache
         self._local = LocalStore(max_threads=min(32, concurrency))
