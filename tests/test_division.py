@@ -286,3 +286,23 @@ def test_division_pads_from_the_epoch_start_so_a_resume_pads_alike() -> None:
     assert after == ((2, 4), (6, 8))  # rank 2's pads were never remaining
     resumed = Division(10, ShardInfo(2, 3, 0, 0, False, remaining=after))
     assert resumed.positions() == [(0, 2)]
+
+
+def test_parquet_files_whose_schemas_differ_are_refused_naming_both(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": pa.array([1, 2], pa.int32())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": pa.array([3], pa.int64()), "x": [1]}), tmp_path / "b.parquet")
+    with pytest.raises(aioloader.ParquetError, match=r"id: int32 in .*a\.parquet, int64 in "
+                                                     r".*b\.parquet; x: missing in"):
+        aioloader.Parquet(str(tmp_path / "{a,b}.parquet"))
+
+
+def test_a_valid_parquet_file_without_rows_is_read_as_empty(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": pa.array([], pa.int64())}), tmp_path / "empty.parquet")
+    pq.write_table(pa.table({"id": pa.array([7, 8], pa.int64())}), tmp_path / "full.parquet")
+    data = aioloader.Parquet(str(tmp_path / "{empty,full}.parquet"))
+    rows = list(aioloader.Loader(data, batch_size=None, num_workers=0))
+    assert [int(r["id"]) for r in rows] == [7, 8]
