@@ -22,7 +22,7 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from ._cache import SharedCache
-from ._closing import AsyncClosing, Closing
+from ._closing import AsyncClosing, Closing, ProcessBound
 from ._collate import default_collate
 from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
@@ -400,6 +400,7 @@ class Loader(Closing, AsyncClosing):
         )
 
     async def _open_pass(self) -> Pass:
+        self._holder.check_process()
         with self._lock:
             if self._closed:
                 raise LoaderError("this Loader is closed; build a new one")
@@ -493,7 +494,7 @@ class Loader(Closing, AsyncClosing):
 
         return PoolDecoder(get_pool, not self.persistent_workers, self.decode_timeout,
                            self.max_worker_restarts, self.on_error == "skip",
-                           self._worker_restarted)
+                           self._worker_restarted, on_timeout=self._decode_timed_out)
 
     def _nothing_to_decode(self) -> bool:
         """No decode, no augment, no cache, nothing read in the workers, the default collate
@@ -505,6 +506,9 @@ class Loader(Closing, AsyncClosing):
 
     def _use_concurrency(self, limit: int) -> None:
         self.concurrency = self.stats.concurrency = limit
+
+    def _decode_timed_out(self) -> None:
+        self.stats.decode_timeouts += 1
 
     def _worker_restarted(self, message: str) -> None:
         self.stats.worker_restarts += 1
@@ -567,7 +571,7 @@ class Loader(Closing, AsyncClosing):
             error = LoaderError("the Loader was closed while a pass was running")
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(running.fail, error)
-            if not _in_loop(loop):
+            if not _in_loop(loop) and not self._holder.foreign:  # a fork's pass is the parent's
                 with self._lock:
                     self._pass_ended.wait_for(lambda: self._pass is not running,
                                               CLOSE_WAIT_SECONDS)
@@ -634,21 +638,35 @@ class _AsyncPass:
 
 
 def _shut_down(holder: _PoolHolder, blocks: BlockPool | None) -> None:
-    """Processes first: none may create a block after the blocks are removed."""
+    """Processes first: none may create a block after the blocks are removed. In a forked
+    child (its `sys.exit` runs this finalizer too) the processes and blocks are the parent's:
+    only the child's copies are let go of."""
     holder.close()
     if blocks is not None:
         blocks.close()
 
 
-class _PoolHolder:
+class _PoolHolder(ProcessBound):
     """The loader's persistent decode pool, built on first use; kept apart from the Loader so
     a finalizer can close it."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._pool: DecodePool | None = None
         self._lock = threading.Lock()
 
+    def check_process(self) -> None:
+        """LoaderError in a child forked from the loader's process: what it would use is the
+        parent's."""
+        if self.foreign:
+            raise LoaderError(
+                f"this Loader was built in process {self.owner_pid}, and process {os.getpid()} "
+                "is a child forked from it: its decode processes and shared memory are the "
+                "parent's. Build a new Loader in the child."
+            )
+
     def get(self, loader: Loader, base_seed: int) -> DecodePool:
+        self.check_process()
         with self._lock:
             if self._pool is None:
                 self._pool = DecodePool(
@@ -657,8 +675,11 @@ class _PoolHolder:
             return self._pool
 
     def close(self) -> None:
-        with self._lock:
+        if self.foreign:  # no lock: a thread of the parent may have held it at the fork
             pool, self._pool = self._pool, None
+        else:
+            with self._lock:
+                pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
 

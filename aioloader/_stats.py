@@ -86,6 +86,8 @@ class LoaderStats:
     many of those pickles were because /dev/shm was full)."""
     worker_restarts: int = 0
     """Decode processes that died (a signal, the OOM killer) and were replaced mid-pass."""
+    decode_timeouts: int = 0
+    """Decode tasks killed at `decode_timeout`."""
     cache_reports: list[Callable[[], dict[str, float]]] = field(default_factory=list)
     """The caches' own reports, read when `cache` is asked for."""
     source_shares: Callable[[], dict[str, float]] | None = None

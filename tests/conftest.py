@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from aioloader._runtime.zygote import Zygote
 from aioloader.testing import Nginx, TestServer
 
 from decoders import SAMPLE_COUNT, write_samples
@@ -123,6 +125,7 @@ class Snapshot:
     processes: frozenset[int]
     threads: frozenset[int]
     sockets: int
+    unix_sockets: int
 
 
 HELPERS = ("forkserver", "resource_tracker", "aioloader._runtime.zygote_main")
@@ -140,16 +143,36 @@ def _ours(process: psutil.Process) -> bool:
     return not (helper and any(name in command for name in HELPERS))
 
 
+def _lasting_unix_sockets() -> set[int]:
+    """Unix sockets whose owners outlive a test: the zygote's control socket (it lives as
+    long as the interpreter) and the wake-up pairs of event loops still open (nbclient keeps
+    one per thread; a loop the loader runs has a thread, which the check counts)."""
+    zygote = Zygote._instance
+    lasting = {zygote._channel.socket.fileno()} if zygote is not None else set()
+    for loop in gc.get_objects():
+        if isinstance(loop, asyncio.BaseEventLoop) and not loop.is_closed():
+            pair = (getattr(loop, "_ssock", None), getattr(loop, "_csock", None))
+            lasting.update(end.fileno() for end in pair if end is not None)
+    return lasting
+
+
+def _unix_sockets(me: psutil.Process) -> int:
+    """This process's Unix sockets (decode channels, socket pairs) but the lasting ones."""
+    lasting = _lasting_unix_sockets()
+    return sum(1 for c in me.net_connections(kind="unix") if c.fd not in lasting)
+
+
 def snapshot() -> Snapshot:
     me = psutil.Process()
     children = frozenset(p.pid for p in me.children(recursive=True) if _ours(p))
     threads = frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
-    return Snapshot(children, threads, len(me.net_connections(kind="inet")))
+    return Snapshot(children, threads, len(me.net_connections(kind="inet")), _unix_sockets(me))
 
 
 @pytest.fixture
 def leak_check() -> Iterator[None]:
-    """Fails the test if it leaves processes, threads or sockets behind 5 s after it ends."""
+    """Fails the test if it leaves processes, threads or sockets (inet or Unix) behind 5 s
+    after it ends."""
     before = snapshot()
     yield
     deadline = time.monotonic() + 5
@@ -159,13 +182,14 @@ def leak_check() -> Iterator[None]:
         extra_processes = now.processes - before.processes
         extra_threads = now.threads - before.threads
         extra_sockets = now.sockets - before.sockets
-        if not (extra_processes or extra_threads or extra_sockets > 0):
+        extra_unix = now.unix_sockets - before.unix_sockets
+        if not (extra_processes or extra_threads or extra_sockets > 0 or extra_unix > 0):
             return
         if time.monotonic() > deadline:
             names = [t.name for t in threading.enumerate() if t.ident in extra_threads]
             pytest.fail(
                 f"left behind: processes {sorted(extra_processes)}, threads {names}, "
-                f"{extra_sockets} sockets"
+                f"{extra_sockets} sockets, {extra_unix} Unix sockets"
             )
         time.sleep(0.05)
 

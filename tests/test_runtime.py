@@ -213,7 +213,7 @@ def test_decode_timeout_with_skip_drops_only_the_stuck_batch(local_paths: list[s
     with loader:
         seen = [int(i) for batch in loader for i in batch]
     assert seen == [i for i in range(SAMPLE_COUNT) if i not in (4, 5, 6, 7)]
-    assert loader.stats.skipped == 4
+    assert loader.stats.skipped == 4 and loader.stats.decode_timeouts == 1
     assert all("decode_timeout" in r for r in loader.stats.skip_reasons)
 
 

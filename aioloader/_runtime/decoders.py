@@ -10,7 +10,6 @@ import itertools
 import pickle
 import signal
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -136,6 +135,7 @@ class PoolDecoder:
         max_restarts: int,
         skip_errors: bool,
         on_restart: Callable[[str], None],
+        on_timeout: Callable[[], None] | None = None,
     ) -> None:
         self._get_pool = get_pool
         self._owns_pool = owns_pool
@@ -144,6 +144,8 @@ class PoolDecoder:
         self._max_restarts = max_restarts
         self._skip_errors = skip_errors
         self._on_restart = on_restart
+        self._on_timeout = on_timeout
+        """Told of each chunk killed at decode_timeout, for the loader's stats."""
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
         self._waiting: deque[_Job] = deque()
@@ -151,9 +153,7 @@ class PoolDecoder:
         """Per process id: the chunks sent to it, in the order it runs them."""
         self._failure: BaseException | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._held: list[DecodeProcess] = []
         self.restarts = 0
-        self.timeouts = 0
         self._let_go = False
         self._starting = self._loop.create_task(self._start(), name="aioloader-pool-start")
 
@@ -311,7 +311,8 @@ class PoolDecoder:
 
     def _time_out(self, process: DecodeProcess, queue: deque[_Job]) -> None:
         assert self._timeout is not None
-        self.timeouts += 1
+        if self._on_timeout is not None:
+            self._on_timeout()
         process.retire()  # no more chunks for it; its end is not a crash
         head = queue.popleft()
         self._assigned.pop(process.id, None)
@@ -366,7 +367,3 @@ class PoolDecoder:
             await off_loop(self._pool.exit_status, process, STATUS_WAIT)
         if self._owns_pool and self._pool_or_none is not None:
             await off_loop(self._pool_or_none.close)
-
-
-def warn_restart(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -19,9 +19,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .._closing import ProcessBound
 from .._errors import LoaderError
 from .channel import Channel, dumps
-from .worker import STOP, DecodeSpec, Imported, Init, InitFailed, Ready
+from .worker import STOP, DecodeSpec, Imported, Init, Ready
 from .zygote import Zygote
 
 STOP_GRACE_SECONDS = 2.0
@@ -33,23 +34,24 @@ LOST = "lost"
 """Delivered when a process's channel ends: it exited or was killed."""
 
 
-class DecodeProcess:
+class DecodeProcess(ProcessBound):
     """One decode process: its pid, its channel, and the two threads that move messages."""
 
     def __init__(self, worker_id: int, init: bytes, deliver: Callable[[DecodeProcess, Any], None]):
+        super().__init__()
         ours, theirs = socket.socketpair()
         try:
-            self.pid = Zygote.get().spawn(theirs)
-        finally:
-            theirs.close()
+            with theirs:
+                self.pid = Zygote.get().spawn(theirs)
+        except BaseException:
+            ours.close()  # a process forked all the same sees its channel end, and exits
+            raise
         self.id = worker_id
-        self.started = time.monotonic()
         self.ready = False
         self.alive = True
         """False once the channel ended (the process exited or was killed)."""
         self.retired = False
         """Killed on purpose (it held work of a pass that ended); replaced before reuse."""
-        self.init_failure: InitFailed | None = None
         self._channel = Channel(ours)
         self._deliver = deliver
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -86,14 +88,14 @@ class DecodeProcess:
                     continue
                 if isinstance(message, Ready):
                     self.ready = True
-                elif isinstance(message, InitFailed):
-                    self.init_failure = message
                 self._deliver(self, message)
         except (EOFError, OSError):
             self.alive = False
             self._deliver(self, LOST)
 
     def kill(self) -> None:
+        if self.foreign:  # a forked child's copy: the process is the parent's
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
 
@@ -104,7 +106,11 @@ class DecodeProcess:
 
     def close(self) -> None:
         """End the channel and the threads; a live process sees the end of its channel and
-        exits. Joins are bounded."""
+        exits. Joins are bounded. A forked child's copy only closes its copy of the socket:
+        shutting it down would end the parent's channel too."""
+        if self.foreign:
+            self._channel.close()
+            return
         self._outbox.put(None)
         with contextlib.suppress(OSError):
             self._channel.socket.shutdown(socket.SHUT_RDWR)
@@ -114,7 +120,7 @@ class DecodeProcess:
         self._channel.close()
 
 
-class DecodePool:
+class DecodePool(ProcessBound):
     """`num_workers` decode processes running one decode spec; replaced one by one on death.
 
     The pool delivers every message to the listener of the moment (a pass), in that listener's
@@ -131,6 +137,7 @@ class DecodePool:
         if not hasattr(socket, "send_fds"):
             raise RuntimeError(f"decode processes need a POSIX system; on {sys.platform} use "
                                "num_workers=0 or executor=")
+        super().__init__()
         self.num_workers = num_workers
         self._init = Init(
             code=dumps((spec, worker_init)), worker_id=0, num_workers=num_workers,
@@ -152,6 +159,8 @@ class DecodePool:
         self, listener: Listener | None, loop: asyncio.AbstractEventLoop | None = None
     ) -> None:
         """Deliver messages to `listener` in `loop` from now on (None: drop them)."""
+        if self.foreign:  # nothing comes to a forked child; no lock a parent's thread held
+            return
         with self._lock:
             self._listener = None if listener is None or loop is None else (loop, listener)
 
@@ -181,7 +190,12 @@ class DecodePool:
 
     def close(self) -> None:
         """Stop the processes: idle ones exit at once, busy ones get a grace period, then a
-        kill. Blocking (bounded): call it off the event loop."""
+        kill. Blocking (bounded): call it off the event loop. In a forked child, let go of the
+        copies of the parent's channels only."""
+        if self.foreign:
+            for process in self.processes:
+                process.close()
+            return
         with self._membership:
             if self.closed:
                 return

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._closing import ProcessBound
 from . import shm
 from .shm import NoSpace
 
@@ -180,16 +181,20 @@ class BlockAllocator:
 # -- main process side --------------------------------------------------------------------------
 
 
-class BlockPool:
+class BlockPool(ProcessBound):
     """The main process's blocks: lent to tasks, mapped into batches, reused when free.
 
     A task is lent a free block, or, while there are fewer than `max_blocks` of fewer than
     `max_bytes` in all, a fresh name the decode process creates the block under. A block too
     small for a later batch, or past the bytes allowed, is removed rather than kept.
     Blocks carry this process's name prefix, so the zygote removes them if this process dies.
+    In a child forked from this process the blocks are the parent's: it leases none, and
+    releasing or closing does nothing there (without the lock, which a thread of the parent
+    may have held at the fork).
     """
 
     def __init__(self, max_blocks: int, max_bytes: int) -> None:
+        super().__init__()
         self.max_blocks = max_blocks
         self.max_bytes = max_bytes
         """Bytes of blocks kept, at most (one block may pass it): /dev/shm is memory too."""
@@ -207,6 +212,8 @@ class BlockPool:
 
     def lease(self) -> Slot | None:
         """A block for one task, or None when all are lent out (then the result is pickled)."""
+        if self.foreign:  # a forked child: the blocks are the parent's
+            return None
         with self._lock:
             if self._closed:
                 return None
@@ -222,6 +229,8 @@ class BlockPool:
     def release(self, name: str) -> None:
         """The task is over or the views are gone: the block (or the fresh name its process
         did not use, for a result too small to share) is free again."""
+        if self.foreign:
+            return
         with self._lock:
             if name not in self._sizes:
                 return
@@ -233,11 +242,15 @@ class BlockPool:
 
     def retire(self, name: str) -> None:
         """Unlink a block now: too small, or lent to a process now surely stopped."""
+        if self.foreign:
+            return
         with self._lock:
             self._remove(name)
 
     def retire_later(self, name: str) -> None:
         """Unlink a block lent to a process that may still be writing it."""
+        if self.foreign:
+            return
         with self._lock:
             self._remove(name)
             self._late.add(name)
@@ -263,6 +276,8 @@ class BlockPool:
     def keep_idle(self, idle_bytes: int) -> None:
         """Keep at most `idle_bytes` of idle blocks from now on (the pass's room under its
         memory limit): the rest are removed, now and as they are released."""
+        if self.foreign:
+            return
         with self._lock:
             self._max_idle = idle_bytes
             while self._free and self.idle_bytes > idle_bytes:
@@ -292,6 +307,8 @@ class BlockPool:
 
     def close(self) -> None:
         """Unlink every block now; batches still held keep their memory until dropped."""
+        if self.foreign:
+            return
         with self._lock:
             self._closed = True
             for name in [*self._sizes, *self._late]:

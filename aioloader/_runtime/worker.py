@@ -450,4 +450,6 @@ def serve(descriptor: int) -> int:
                 channel.send(Imported(installed_packages(set(sys.modules) - preloaded)))
     except (EOFError, OSError):
         pass
+    finally:
+        channel.close()
     return 0

@@ -8,7 +8,9 @@ watches its parent: when the parent dies, even by SIGKILL, the zygote kills the 
 processes and removes the parent's shared memory (and named caches it was the last member
 of). Decode processes die with the zygote (PR_SET_PDEATHSIG on Linux).
 
-Protocol on the control socket: length-prefixed pickles, request then reply, one at a time.
+Protocol on the control socket (a `Channel`): a request `(number, kind, argument)`, then its
+reply `(number, answer)`, one at a time. A reply carries its request's number, so one that comes
+after its request timed out is dropped rather than taken for the answer to the next request.
 """
 
 from __future__ import annotations
@@ -16,59 +18,33 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import itertools
 import os
-import pickle
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .._closing import ProcessBound
 from .._errors import LoaderError
+from .channel import Channel
 
-_LENGTH = struct.Struct("!I")
 START_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
 POLL_SECONDS = 0.25
 """How often the zygote checks that its parent is alive and reaps its children."""
 
 
-def _send(sock: socket.socket, message: Any, fds: list[int] | None = None) -> None:
-    data = pickle.dumps(message)
-    frame = _LENGTH.pack(len(data)) + data
-    if fds:
-        socket.send_fds(sock, [frame], fds)
-    else:
-        sock.sendall(frame)
-
-
-def _receive(sock: socket.socket) -> tuple[Any, list[int]]:
-    """One message and any descriptors sent with it; EOFError when the other side is gone."""
-    head, fds, _, _ = socket.recv_fds(sock, _LENGTH.size, 4)
-    while len(head) < _LENGTH.size:
-        more = sock.recv(_LENGTH.size - len(head))
-        if not more:
-            raise EOFError
-        head += more
-    (length,) = _LENGTH.unpack(head)
-    data = bytearray()
-    while len(data) < length:
-        more = sock.recv(length - len(data))
-        if not more:
-            raise EOFError
-        data += more
-    return pickle.loads(data), list(fds)
-
-
 # -- the parent's side ----------------------------------------------------------------------
 
 
-class Zygote:
+class Zygote(ProcessBound):
     """The client of this interpreter's zygote, started on first use."""
 
     _instance: ClassVar[Zygote | None] = None
@@ -78,51 +54,68 @@ class Zygote:
     def get(cls) -> Zygote:
         with cls._instance_lock:
             if cls._instance is None or not cls._instance.alive():
+                if cls._instance is not None:  # it died: let go of its socket
+                    cls._instance._channel.close()
                 cls._instance = cls()
             return cls._instance
 
     def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.Lock()
         self._learned: set[str] = set()
+        self._numbers = itertools.count(1)
         ours, theirs = socket.socketpair()
         package_parent = str(Path(__file__).resolve().parents[2])
         environment = dict(os.environ)
         environment["PYTHONPATH"] = os.pathsep.join(
             p for p in (package_parent, environment.get("PYTHONPATH")) if p
         )
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "aioloader._runtime.zygote_main",
-             str(theirs.fileno()), str(os.getpid())],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=environment,
-        )
-        theirs.close()
-        self._socket = ours
-        self._owner = os.getpid()
-        self._socket.settimeout(START_TIMEOUT)
+        with theirs:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "aioloader._runtime.zygote_main",
+                 str(theirs.fileno()), str(os.getpid())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=environment,
+            )
+        self._channel = Channel(ours)
+        ours.settimeout(START_TIMEOUT)
         try:
-            ready, _ = _receive(self._socket)
+            ready = self._channel.receive()
         except (OSError, EOFError):
             ready = None
         if ready != "ready":
             self._process.kill()
+            self._process.wait(START_TIMEOUT)
+            self._channel.close()
             raise LoaderError("the process that starts decode processes did not start")
-        self._socket.settimeout(REPLY_TIMEOUT)
+        ours.settimeout(REPLY_TIMEOUT)
 
     @property
     def pid(self) -> int:
         return self._process.pid
 
     def alive(self) -> bool:
-        return os.getpid() == self._owner and self._process.poll() is None
+        return not self.foreign and self._process.poll() is None
 
-    def _request(self, message: Any, fds: list[int] | None = None) -> Any:
+    def _request(self, kind: str, argument: Any, fds: Sequence[int] = ()) -> Any:
+        """Send a request and wait for its own reply; replies to earlier requests that timed
+        out are read and dropped on the way."""
         with self._lock:
+            number = next(self._numbers)
             try:
-                _send(self._socket, message, fds)
-                reply, _ = _receive(self._socket)
+                self._channel.send((number, kind, argument), fds)
+                while True:
+                    answered, reply = self._channel.receive()
+                    if answered == number:
+                        return reply
+            except TimeoutError as e:
+                raise LoaderError(
+                    f"the process that starts decode processes (pid {self.pid}) did not answer "
+                    f"a {kind} request within {self._channel.socket.gettimeout():g} s"
+                ) from e
             except (OSError, EOFError) as e:
-                raise LoaderError(f"lost the process that starts decode processes: {e}") from e
-        return reply
+                raise LoaderError(
+                    f"lost the process that starts decode processes (pid {self.pid}): {e}"
+                ) from e
 
     def spawn(self, channel: socket.socket) -> int:
         """Fork a decode process that serves `channel`; its pid. Packages decode processes
@@ -130,12 +123,12 @@ class Zygote:
         processes start with them (a pass that imports torch pays for it once, not per pass)."""
         with self._lock:
             preload, self._learned = sorted(self._learned), set()
-        pid: int = self._request(("spawn", preload), [channel.fileno()])
+        pid: int = self._request("spawn", preload, [channel.fileno()])
         return pid
 
     def preload(self, packages: list[str]) -> None:
         """Import installed packages now, before any decode process is forked."""
-        self._request(("preload", packages))
+        self._request("preload", packages)
 
     def learn(self, packages: list[str]) -> None:
         """Installed packages a decode process imported: the next spawn preloads them."""
@@ -147,20 +140,25 @@ class Zygote:
         that signal), or None while it runs; waits up to `wait` seconds for it to end."""
         deadline = time.monotonic() + wait
         while True:
-            status: int | None = self._request(("status", pid))
+            status: int | None = self._request("status", pid)
             if status is not None or time.monotonic() >= deadline:
                 return status
             time.sleep(0.01)
 
     def watch_cache(self, name: str, watching: bool) -> None:
         """Have the named cache removed should this process die as its last member."""
-        self._request(("watch" if watching else "unwatch", name))
+        self._request("watch" if watching else "unwatch", name)
 
 
 def _forget_in_child() -> None:
-    """A forked copy of the parent must not talk on the parent's control socket."""
+    """A forked copy of the parent must not talk on the parent's control socket: it lets go of
+    its copy of the socket (the parent's end stays open) and starts a zygote of its own if it
+    needs one."""
+    inherited = Zygote._instance
     Zygote._instance = None
     Zygote._instance_lock = threading.Lock()
+    if inherited is not None:
+        inherited._channel.close()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -177,7 +175,7 @@ def die_with_parent() -> None:
 
 
 class _Server:
-    def __init__(self, control: socket.socket, parent: int) -> None:
+    def __init__(self, control: Channel, parent: int) -> None:
         self.control = control
         self.parent = parent
         self.children: set[int] = set()
@@ -185,21 +183,20 @@ class _Server:
         self.caches: set[str] = set()
 
     def serve(self) -> None:
-        _send(self.control, "ready")
+        self.control.send("ready")
         try:
             while os.getppid() == self.parent:
-                readable, _, _ = select.select([self.control], [], [], POLL_SECONDS)
+                readable, _, _ = select.select([self.control.socket], [], [], POLL_SECONDS)
                 self.reap()
                 if readable:
-                    message, fds = _receive(self.control)
-                    _send(self.control, self.answer(message, fds))
+                    (number, kind, argument), fds = self.control.receive_with_fds()
+                    self.control.send((number, self.answer(kind, argument, fds)))
         except (EOFError, OSError):
             pass  # the parent closed its end: it exited or died
         finally:
             self.clean_up()
 
-    def answer(self, message: Any, fds: list[int]) -> Any:
-        kind, argument = message
+    def answer(self, kind: str, argument: Any, fds: list[int]) -> Any:
         if kind == "spawn":
             preload(argument)
             return self.fork(fds[0])
@@ -274,9 +271,8 @@ def _exit_on_term(signum: int, frame: object) -> None:
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     signal.signal(signal.SIGTERM, _exit_on_term)
-    control = socket.socket(fileno=int(sys.argv[1]))
     from . import worker  # noqa: F401  (with numpy and cloudpickle: what every decode process runs)
 
     preload(["PIL.Image"])  # most decode functions decode images; later, what they were seen to use
-    _Server(control, int(sys.argv[2])).serve()
-
+    with socket.socket(fileno=int(sys.argv[1])) as control:
+        _Server(Channel(control), int(sys.argv[2])).serve()
