@@ -150,7 +150,7 @@ def _lasting_unix_sockets() -> set[int]:
     zygote = Zygote._instance
     lasting = {zygote._channel.socket.fileno()} if zygote is not None else set()
     for loop in gc.get_objects():
-        if isinstance(loop, asyncio.BaseEventLoop) and not loop.is_closed():
+        if issubclass(type(loop), asyncio.BaseEventLoop) and not loop.is_closed():
             pair = (getattr(loop, "_ssock", None), getattr(loop, "_csock", None))
             lasting.update(end.fileno() for end in pair if end is not None)
     return lasting

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -306,3 +308,32 @@ def test_a_valid_parquet_file_without_rows_is_read_as_empty(tmp_path: Path) -> N
     data = aioloader.Parquet(str(tmp_path / "{empty,full}.parquet"))
     rows = list(aioloader.Loader(data, batch_size=None, num_workers=0))
     assert [int(r["id"]) for r in rows] == [7, 8]
+
+
+def test_a_shuffled_stream_in_a_mixture_is_reshuffled_every_pass(tmp_path: Path) -> None:
+    shards = aioloader.TarShards(write_shards(tmp_path, [10, 10]), shuffle_buffer=20)
+    (tmp_path / "other").mkdir()
+    files = aioloader.Files(write_shards(tmp_path / "other", [1]))
+    mix = aioloader.Mix({"tar": shards, "files": files}, weights=[1, 0], samples_per_epoch=60)
+    loader = aioloader.Loader(mix, decode=lambda m: int(m.item["txt"]), batch_size=None,
+                              num_workers=0, shuffle=True)
+    taken = list(loader)
+    passes = [taken[i : i + 20] for i in range(0, 60, 20)]
+    assert all(sorted(p) == list(range(20)) for p in passes)
+    assert len({tuple(p) for p in passes}) == 3  # each pass is the source's own epoch
+
+
+def test_a_shuffle_window_larger_than_the_memory_limit_allows_is_named(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    blobs = pa.array([os.urandom(64 << 10) for _ in range(64)])  # 4 MiB: row groups of 1 MiB
+    pq.write_table(pa.table({"blob": blobs}), tmp_path / "big.parquet", row_group_size=16,
+                   compression="none")
+    data = aioloader.Parquet(str(tmp_path / "big.parquet"), shuffle_window=2)
+    loader = aioloader.Loader(data, batch_size=None, num_workers=0, shuffle=True,
+                              memory_limit=2 << 20)
+    with pytest.warns(RuntimeWarning, match=r"a shuffle window reads about 2 MiB, over the 1 MiB"):
+        assert len(list(loader)) == 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        len(list(aioloader.Loader(data, batch_size=None, num_workers=0, shuffle=True)))

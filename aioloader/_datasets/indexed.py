@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import warnings
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -29,7 +30,8 @@ from .base import Stream
 from .streaming import ordered_ahead
 
 MIN_PIECE = 256
-"""Samples read as one piece at the least (a whole number of shuffle windows)."""
+"""Samples read as one piece when they are small (a whole number of shuffle windows); large
+samples are read a window at a time within the read budget."""
 
 
 class IndexedStream(Stream):
@@ -93,24 +95,44 @@ class IndexedStream(Stream):
         sample's place in the data, the same whatever the world size (it seeds the rng)."""
         info = get_shard_info()
         sequence = self.sequence(info)
-        pieces = _pieces(self.division(info).positions(position), sequence.window)
+        budget = info.read_bytes
+        windows = MIN_PIECE // sequence.window
+        if budget is not None:  # big samples: fewer windows a piece, within the budget
+            windows = min(windows, budget // max(1, sequence.window * self._sample_bytes()))
+        pieces = _pieces(self.division(info).positions(position),
+                         sequence.window * max(1, windows))
         memo: dict[Any, Any] = {}
+        warned = False
         async with storage.borrowed() as reads:
 
             def job(start: int, end: int) -> tuple[Any, int]:
+                nonlocal warned
                 ids = sequence.ids(start, end)
                 units = sequence.unit_of(ids)
                 found, counts = np.unique(units, return_counts=True)
                 weight = sum(self.read_weight(u, n) for u, n in zip(
                     found.tolist(), counts.tolist(), strict=True))
+                if budget is not None and weight > budget and not warned:
+                    warned = True
+                    warnings.warn(
+                        f"{type(self).__name__}: a shuffle window reads about "
+                        f"{weight >> 20} MiB, over the {budget >> 20} MiB the memory limit "
+                        "leaves for reading ahead; it is read all the same. A smaller window "
+                        "(or a larger memory_limit) keeps memory within the limit",
+                        RuntimeWarning, stacklevel=2)
                 return (lambda: self._read_piece(reads, sequence, ids, units, memo)), weight
 
-            budget = info.read_bytes
             async for ids, items in ordered_ahead(
                 (job(s, e) for s, e in pieces), self.pieces_ahead, budget
             ):
                 for pair in zip(ids.tolist(), items, strict=True):
                     yield pair
+
+    def _sample_bytes(self) -> int:
+        """What a sample holds once read, on average."""
+        sizes: list[int] = self.unit_sizes.tolist()
+        total = sum(self.read_weight(unit, size) for unit, size in enumerate(sizes))
+        return total // max(1, sum(sizes))
 
     async def _read_piece(
         self,
@@ -136,9 +158,8 @@ class IndexedStream(Stream):
         return ids, items
 
 
-def _pieces(ranges: list[tuple[int, int]], window: int) -> list[tuple[int, int]]:
-    """The ranges cut at piece boundaries: whole windows of at least MIN_PIECE positions."""
-    size = window * -(-MIN_PIECE // window)
+def _pieces(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The ranges cut at multiples of `size` (a whole number of shuffle windows)."""
     out = []
     for start, end in ranges:
         while start < end:

@@ -367,7 +367,7 @@ class _Reader:
         dataset = self._mix.sources[self._source]
         info = self._pass_info()
         if isinstance(dataset, Stream):
-            return call_with_shard_info(info, lambda: dataset.iter_from(0))
+            return _read_in(info, dataset, self._ahead)
         order = self._mix.order(self._source, self._info, self._passes, len(dataset))
         return _dataset_items(dataset, order[info.rank :: info.world_size], self._ahead)
 
@@ -401,6 +401,38 @@ class _Reader:
         if self._items is not None:
             with contextlib.suppress(Exception):
                 await self._items.aclose()
+
+
+_END = object()
+
+
+async def _read_in(info: ShardInfo, stream: Stream, ahead: int) -> AsyncGenerator[Any, None]:
+    """A stream's pass read by a task of its own, which sees `info` as its shard info: a
+    generator runs in the context of whoever pulls it, so the pass's epoch must travel in the
+    context of a task that does all of its pulling."""
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue(max(1, ahead))
+
+    async def produce() -> None:
+        try:
+            async with contextlib.aclosing(stream.iter_from(0)) as items:
+                async for item in items:
+                    await queue.put((item, None))
+            await queue.put((_END, None))
+        except Exception as e:
+            await queue.put((None, e))
+
+    task = call_with_shard_info(info, lambda: asyncio.ensure_future(produce()))
+    try:
+        while True:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                return
+            yield item
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def _dataset_items(dataset: Dataset, indices: Any,

@@ -62,7 +62,8 @@ class Parquet(IndexedStream):
     repeats as DistributedSampler pads. With the Loader's `shuffle=True` the row groups' order
     is shuffled per epoch, and rows within windows of about `shuffle_window` row groups.
     Memory holds about a window plus what is read ahead (`row_groups_ahead`, and at most half
-    the Loader's `memory_limit`).
+    the Loader's `memory_limit`); a window larger than that is read all the same, with a
+    warning.
     """
 
     def __init__(
