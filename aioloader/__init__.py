@@ -67,7 +67,7 @@ _WHERE = {
     "StreamBatches": "_datasets",
     "TarShards": "_datasets",
     "WorkerDiedError": "_errors",
-    "WorkerInfo": "_runtime.worker",
+    "WorkerInfo": "_runtime.decode",
     "default_collate": "_collate",
     "CorruptEntry": "_cache",
     "NotOwned": "_runtime.shm",
@@ -75,7 +75,7 @@ _WHERE = {
     "TarFormatError": "_tar",
     "from_torch": "_datasets",
     "get_shard_info": "_sampling",
-    "get_worker_info": "_runtime.worker",
+    "get_worker_info": "_runtime.decode",
 }
 _SUBMODULES = {"recordio", "storage", "testing", "torch", "vision"}
 
@@ -105,8 +105,8 @@ if _typing.TYPE_CHECKING:
         WorkerDiedError,
     )
     from ._loader import Loader
+    from ._runtime.decode import WorkerInfo, get_worker_info
     from ._runtime.shm import NotOwned
-    from ._runtime.worker import WorkerInfo, get_worker_info
     from ._sampling import ShardInfo, get_shard_info
     from ._stats import LoaderStats
     from ._tar import TarFormatError

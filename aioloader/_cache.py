@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from ._closing import Closing
 from ._runtime import shm
+from ._runtime.zygote import Zygote
 
 _HEADER = struct.Struct("<qqqq")
 """capacity, bytes used, entries, full (0/1)."""
@@ -166,11 +167,9 @@ class SharedCache(Closing):
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def attach(self, capacity: int) -> None:
+    def _attach(self, capacity: int) -> None:
         """Create the segments for sample indices 0..capacity-1, or, for a named cache that
         another process on this machine made already, join it."""
-        from ._runtime.zygote import Zygote
-
         if self._index is None and self.name is not None:
             self._join(capacity)
             Zygote.get().watch_cache(self.name, True)
@@ -269,7 +268,7 @@ class SharedCache(Closing):
         self._map()
         return 0 <= index < self.capacity and self._inside(*self._entry(index))
 
-    def lookup(self, index: int) -> bool:
+    def _lookup(self, index: int) -> bool:
         """Whether `index` is cached, counted as a hit or a miss (the loader asks this)."""
         found = index in self
         if found:
@@ -296,7 +295,7 @@ class SharedCache(Closing):
                 "remove the cache's segments to start it afresh"
             ) from None
 
-    def put(self, index: int, value: Any) -> bool:
+    def _put(self, index: int, value: Any) -> bool:
         """Store `value` for `index` unless it is there already, does not fit, or is not data;
         True if stored. Safe to call from several processes at once."""
         self._map()
@@ -389,8 +388,6 @@ class SharedCache(Closing):
 
     def _leave(self) -> None:
         """Detach from a named cache; the last process attached removes it."""
-        from ._runtime.zygote import Zygote
-
         assert self.name is not None
         members, self._members_fd = self._members_fd, -1
         fcntl.flock(members, fcntl.LOCK_UN)

@@ -31,12 +31,13 @@ from ._loopthread import LoopThread
 from ._runtime import autotune, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
+from ._runtime.decode import DecodeSpec, takes_rng
 from ._runtime.decoders import Decoder, ExecutorDecoder, InlineDecoder, PoolDecoder
 from ._runtime.passes import END, Pass, PassConfig
 from ._runtime.pool import DecodePool
+from ._runtime.preload import packages_behind
 from ._runtime.sources import PlannedSource, StreamSource
 from ._runtime.transport import BlockPool
-from ._runtime.worker import DecodeSpec, packages_behind, takes_rng
 from ._runtime.zygote import Zygote
 from ._sampling import (
     EpochPlan,
@@ -199,7 +200,7 @@ class Loader(Closing, AsyncClosing):
             if takes_rng(decode):
                 raise ValueError("decode= feeds the cache, so it must not be random: move the "
                                  "random part into augment=(value, rng)")
-            cache.attach(len(dataset))
+            cache._attach(len(dataset))
         RetryPolicy(retries, timeout)  # validates both
 
         self.dataset = dataset

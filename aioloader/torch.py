@@ -6,7 +6,7 @@ torch is imported here only; `import aioloader` never imports it.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -21,24 +21,21 @@ except ImportError as e:
 
 from ._closing import Closing
 from ._loader import Loader
+from ._runtime.transport import map_arrays
 
 __all__ = ["TorchLoader", "as_iterable_dataset", "to_tensors"]
 
 
 def to_tensors(batch: Any, pin_memory: bool = False) -> Any:
     """The same structure with every numpy array turned into a tensor sharing its memory."""
-    if isinstance(batch, np.ndarray):
-        if batch.dtype.kind in "USO":  # strings and objects have no tensor type
-            return batch
-        tensor = torch.from_numpy(batch)
-        return tensor.pin_memory() if pin_memory else tensor
-    if isinstance(batch, Mapping):
-        return type(batch)({k: to_tensors(v, pin_memory) for k, v in batch.items()})  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(to_tensors(v, pin_memory) for v in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_tensors(v, pin_memory) for v in batch)
-    return batch
+
+    def tensor(array: np.ndarray[Any, Any]) -> Any:
+        if array.dtype.kind in "USO":  # strings and objects have no tensor type
+            return array
+        converted = torch.from_numpy(array)
+        return converted.pin_memory() if pin_memory else converted
+
+    return map_arrays(batch, tensor)
 
 
 def _can_pin() -> bool:

@@ -71,9 +71,9 @@ def test_samples_beyond_the_limit_are_not_cached(urls: list[str]) -> None:
 def test_cached_values_are_read_only_and_segments_go_with_close(urls: list[str]) -> None:
     before = segments()
     cache = aioloader.SharedCache(0.01)
-    cache.attach(10)
+    cache._attach(10)
     assert len(segments() - before) == 2
-    assert cache.put(3, (np.arange(5), "label")) and not cache.put(3, (np.arange(2), "x"))
+    assert cache._put(3, (np.arange(5), "label")) and not cache._put(3, (np.arange(2), "x"))
     array, label = cache.get(3)
     assert label == "label" and array.tolist() == [0, 1, 2, 3, 4] and not array.flags.writeable
     assert 3 in cache and 4 not in cache
@@ -104,9 +104,10 @@ def test_disk_cache_serves_epoch_two_and_evicts_the_oldest_within_its_limit(
     from aioloader.storage._diskcache import DiskCache
 
     big = []  # values this large live in files, so the cache's size moves by whole values
+    (sample_dir / "cache-big").mkdir(exist_ok=True)  # not among the samples other tests list
     for i in range(12):
-        (sample_dir / f"cache-big-{i}.bin").write_bytes(bytes([i]) * (40 << 10))
-        big.append(f"{faulty_server.url}cache-big-{i}.bin")
+        (sample_dir / "cache-big" / f"{i}.bin").write_bytes(bytes([i]) * (40 << 10))
+        big.append(f"{faulty_server.url}cache-big/{i}.bin")
     limit = DiskCache(tmp_path / "empty").size + 5 * (40 << 10)
     small = aioloader.Loader(aioloader.Files(big), batch_size=4, cache_dir=tmp_path / "small",
                              cache_limit=limit, num_workers=0)
@@ -131,8 +132,8 @@ def test_one_named_cache_per_node_removed_by_the_last_process(ending: str) -> No
     context = multiprocessing.get_context("spawn")
     commands, replies = context.Queue(), context.Queue()
     first = aioloader.SharedCache(0.01, name=name)
-    first.attach(10)
-    first.put(1, np.arange(4))
+    first._attach(10)
+    first._put(1, np.arange(4))
     other = context.Process(target=cache_member, args=(name, commands, replies))
     other.start()
     try:

@@ -23,9 +23,10 @@ import pytest
 import aioloader
 from aioloader._runtime import zygote
 from aioloader._runtime.channel import Channel
+from aioloader._runtime.decode import DecodeSpec
 from aioloader._runtime.decoders import PoolDecoder
+from aioloader._runtime.messages import Chunk
 from aioloader._runtime.pool import DecodePool
-from aioloader._runtime.worker import Chunk, DecodeSpec
 
 from conftest import snapshot
 from decoders import index_and_noise, sample_bytes, stuck_on_five

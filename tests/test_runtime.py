@@ -149,10 +149,10 @@ paths = {paths!r}
 loader = aioloader.Loader(aioloader.Files(paths), decode=big_image, batch_size=10,
                           persistent_workers=True)
 cache = aioloader.SharedCache(0.01)
-cache.attach(10)
-cache.put(1, np.arange(3))
+cache._attach(10)
+cache._put(1, np.arange(3))
 named = aioloader.SharedCache(0.01, name={name!r})
-named.attach(10)
+named._attach(10)
 batches = iter(loader)
 kept = [next(batches), next(batches)]
 print(json.dumps({{"pid": os.getpid()}}), flush=True)
@@ -399,7 +399,7 @@ def test_the_packages_behind_a_decode_function_are_found_for_the_zygote(
     """A decode function of the user's own module brings the installed packages that module
     (and the user's modules it uses) import: the zygote imports them before forking."""
     from aioloader._runtime.channel import dumps
-    from aioloader._runtime.worker import packages_behind
+    from aioloader._runtime.preload import packages_behind
 
     (tmp_path / "user_helpers.py").write_text("import json\n\ndef describe(x):\n    return x\n")
     (tmp_path / "user_decoders.py").write_text(

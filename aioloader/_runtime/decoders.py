@@ -20,8 +20,10 @@ from .._errors import DecodeTimeoutError, LoaderError, RemoteTraceback, WorkerDi
 from .._stats import now
 from .blocking import off_loop
 from .channel import dumps
+from .decode import DecodeSpec, run_chunk
+from .messages import Chunk, ChunkResult, Done, InitFailed, Ready, Task
 from .pool import LOST, DecodePool, DecodeProcess
-from .worker import Chunk, ChunkResult, DecodeSpec, Done, InitFailed, Ready, Task, run_chunk
+from .tasks import TaskSet
 
 PER_PROCESS = 2
 """Chunks queued at a decode process: one running, one waiting, so it never idles between."""
@@ -152,7 +154,7 @@ class PoolDecoder:
         self._assigned: dict[int, deque[_Job]] = {}
         """Per process id: the chunks sent to it, in the order it runs them."""
         self._failure: BaseException | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self.restarts = 0
         self._let_go = False
         self._starting = self._loop.create_task(self._start(), name="aioloader-pool-start")
@@ -169,7 +171,7 @@ class PoolDecoder:
         self._pool_or_none = pool
         pool.listen(self._on_message, self._loop)
         if self._timeout is not None:
-            self._spawn(self._watch_deadlines())
+            self._tasks.start(self._watch_deadlines())
         for process in list(pool.processes):
             if process.retired or not process.alive:
                 await off_loop(pool.replace, process)
@@ -179,11 +181,6 @@ class PoolDecoder:
     def _pool(self) -> DecodePool:
         assert self._pool_or_none is not None, "the pool is used only once it is up"
         return self._pool_or_none
-
-    def _spawn(self, coroutine: object) -> None:
-        task = asyncio.ensure_future(coroutine)  # type: ignore[call-overload]
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     async def decode(self, chunk: Chunk) -> ChunkResult:
         await asyncio.shield(self._starting)  # raises if the processes could not start
@@ -231,7 +228,7 @@ class PoolDecoder:
             error.__cause__ = RemoteTraceback(message.traceback)
             self._fail(error)
         elif message == LOST:
-            self._spawn(self._lost(process))
+            self._tasks.start(self._lost(process))
 
     def _fail(self, error: BaseException, lost: list[_Job] | None = None) -> None:
         """Nothing more can be decoded in this pass: every chunk waiting, sent or `lost` gets
@@ -323,7 +320,7 @@ class PoolDecoder:
         for job in queue:
             job.started = 0.0
         self._waiting.extendleft(reversed(queue))
-        self._spawn(self._replace(process))
+        self._tasks.start(self._replace(process))
 
     def in_flight(self) -> list[tuple[float, str]]:
         if self._pool_or_none is None:
@@ -338,8 +335,7 @@ class PoolDecoder:
     def _release(self) -> list[DecodeProcess]:
         """Stop listening; kill the processes still holding chunks of this pass."""
         self._let_go = True
-        for task in self._tasks:
-            task.cancel()
+        self._tasks.cancel_all()
         for job in [*self._waiting, *(j for q in self._assigned.values() for j in q)]:
             job.future.cancel()
         pool = self._pool_or_none

@@ -28,9 +28,10 @@ from .._stats import LoaderStats, now
 from ..storage._storage import Storage
 from .decoders import Decoder
 from .handover import EMPTY, Failed, Finished, Handover
+from .messages import Chunk, ChunkResult
 from .sources import SKIPPED, Pending, estimate_bytes
+from .tasks import TaskSet
 from .transport import BlockPool, Slot
-from .worker import Chunk, ChunkResult
 
 END = object()
 """What `Pass.next` returns after the last batch."""
@@ -105,7 +106,7 @@ class Pass:
         """Moving averages of a sample's bytes, raw and decoded."""
         self._decoding = 0
         self._lent: set[str] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
         self._progress_at = now()
         self._started = now()
         self._busy_before = stats.busy_seconds
@@ -119,17 +120,14 @@ class Pass:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._tasks.add(self._run_in_context(lambda: self._spawn(self._feed(), "feed")))
+        self._run_in_context(lambda: self._spawn(self._feed(), "feed"))
         self._spawn(self._decode_stage(), "decode")
         self._spawn(self._watch(), "watchdog")
         for side in self._side_tasks:
             self._spawn(side, "side")
 
     def _spawn(self, coroutine: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = self._loop.create_task(coroutine, name=f"aioloader-{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.start(coroutine, f"aioloader-{name}")
 
     def fail(self, error: BaseException) -> None:
         """Make the consumer's next wait raise `error`; the pass is then closed by its owner."""
@@ -142,9 +140,7 @@ class Pass:
             return
         self.closed = True
         self._handover.fail(LoaderError("this pass was abandoned"))
-        for task in self._tasks:
-            with contextlib.suppress(RuntimeError):  # its loop may be closed already
-                task.cancel()
+        self._tasks.cancel_all()
         self._decoder.abandon()
         if self._blocks is not None:
             for name in self._lent:
@@ -157,11 +153,8 @@ class Pass:
             return
         self.closed = True
         self._handover.fail(LoaderError("this pass was closed"))
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
         try:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks.cancel_all(), return_exceptions=True)
             await self._decoder.aclose()  # busy processes are stopped: blocks are safe to drop
             if self._blocks is not None:
                 for name in self._lent:
@@ -286,7 +279,7 @@ class Pass:
     # -- decoding -------------------------------------------------------------------------------
 
     async def _decode_stage(self) -> None:
-        decoding: set[asyncio.Task[None]] = set()
+        decoding = TaskSet()
         while True:
             while not self._fed and not self._may_decode():
                 self._stage_changed.clear()
@@ -300,9 +293,7 @@ class Pass:
             pending = heapq.heappop(self._ready)[2]
             self._decoding += 1
             self._next_step = max(self._next_step, pending.first_step + pending.steps)
-            task = self._spawn(self._decode(pending), "chunk")
-            decoding.add(task)
-            task.add_done_callback(decoding.discard)
+            decoding.add(self._spawn(self._decode(pending), "chunk"))
         if decoding:
             await asyncio.wait(decoding)
         if self._feed_error is not None:

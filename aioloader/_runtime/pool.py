@@ -22,7 +22,8 @@ from typing import Any
 from .._closing import ProcessBound
 from .._errors import LoaderError
 from .channel import Channel, dumps
-from .worker import STOP, DecodeSpec, Imported, Init, Ready
+from .decode import DecodeSpec
+from .messages import STOP, Imported, Init, Ready
 from .zygote import Zygote
 
 STOP_GRACE_SECONDS = 2.0

@@ -22,7 +22,8 @@ from .._errors import FetchError, SampleError, SampleFetchError
 from .._sampling import EpochPlan
 from .._stats import LoaderStats, now
 from .autotune import ReadLimit
-from .worker import one_line
+from .decode import one_line
+from .tasks import TaskSet
 
 SKIPPED = object()
 """The raw item of a sample whose fetch failed with on_error="skip"."""
@@ -108,7 +109,7 @@ class PlannedSource:
         self._reads = reads
         self._stats = stats
         self._in_flight: dict[tuple[int, int], tuple[float, int]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet()
 
     def position(self, steps_done: int) -> int:
         return self.plan.global_position(steps_done)
@@ -127,29 +128,23 @@ class PlannedSource:
                 work.reading(pending, len(indices))
                 await self._read(pending, work)
             while self._tasks:
-                await asyncio.wait(list(self._tasks))
+                await asyncio.wait(self._tasks)
         finally:
-            for task in self._tasks:
-                task.cancel()
+            self._tasks.cancel_all()
 
     async def _read(self, pending: Pending, work: Work) -> None:
         if self.dataset.batched_fetch:
             if not self._reads.try_acquire():
                 await self._reads.acquire()
-            self._start(self._fetch_many(pending, work))
+            self._tasks.start(self._fetch_many(pending, work))
             return
         for position, index in enumerate(pending.indices):
-            if self._cache is not None and self._cache.lookup(index):
+            if self._cache is not None and self._cache._lookup(index):
                 self._arrived(pending, position, CACHED, work)
                 continue
             if not self._reads.try_acquire():
                 await self._reads.acquire()
-            self._start(self._fetch_one(pending, position, work))
-
-    def _start(self, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+            self._tasks.start(self._fetch_one(pending, position, work))
 
     async def _fetch_one(self, pending: Pending, position: int, work: Work) -> None:
         index = pending.indices[position]

@@ -15,7 +15,7 @@ import itertools
 import mmap
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,44 +50,47 @@ class SharedArray:
 
 
 def map_arrays(value: Any, function: Callable[[Any], Any], kind: type = np.ndarray) -> Any:
-    """`value` with every `kind` inside dicts, lists and tuples replaced by `function(it)`."""
+    """`value` with every `kind` inside dicts (and other mappings), lists, tuples and
+    namedtuples replaced by `function(it)`: the one walk of nested samples and batches. Only
+    the containers of what was replaced are rebuilt, so a walk that replaces nothing returns
+    `value` itself and costs no copies."""
+    exact = type(value)
+    if exact in _SCALARS:
+        return value
     if isinstance(value, kind):
         return function(value)
-    if isinstance(value, Mapping):
-        return type(value)(  # type: ignore[call-arg]
-            {k: map_arrays(v, function, kind) for k, v in value.items()}
-        )
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(map_arrays(v, function, kind) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(map_arrays(v, function, kind) for v in value)
+    if exact is dict or isinstance(value, Mapping):
+        changes = _changes(value.items(), function, kind)
+        if not changes:
+            return value
+        mapped = {**value, **changes}
+        return mapped if exact is dict else exact(mapped)
+    if exact is list or exact is tuple or isinstance(value, (list, tuple)):
+        changes = _changes(enumerate(value), function, kind)
+        if not changes:
+            return value
+        parts = [changes.get(position, part) for position, part in enumerate(value)]
+        if hasattr(value, "_fields"):  # namedtuple
+            return exact(*parts)
+        return parts if exact is list else exact(parts)
     return value
 
 
+def _changes(
+    parts: Iterable[tuple[Any, Any]], function: Callable[[Any], Any], kind: type
+) -> dict[Any, Any]:
+    """The parts (by key or position) in which `map_arrays` replaced something."""
+    changes = {}
+    for key, part in parts:
+        if type(part) not in _SCALARS:
+            mapped = map_arrays(part, function, kind)
+            if mapped is not part:
+                changes[key] = mapped
+    return changes
+
+
 _SCALARS = frozenset({bytes, str, int, float, bool, type(None)})
-
-
-def holds(value: Any, kind: type) -> bool:
-    """Whether `map_arrays` would find a `kind` in `value`: a walk without rebuilding, cheap
-    enough for every raw item of a chunk (exact types first: `isinstance` on `Mapping` is
-    slow)."""
-    todo = [value]
-    while todo:
-        item = todo.pop()
-        exact = type(item)
-        if exact in _SCALARS:
-            continue
-        if exact is dict:
-            todo.extend(item.values())
-        elif exact is list or exact is tuple:
-            todo.extend(item)
-        elif isinstance(item, kind):
-            return True
-        elif isinstance(item, Mapping):
-            todo.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            todo.extend(item)
-    return False
+"""Types that hold nothing to map, skipped before the slower `isinstance` checks."""
 
 
 def _shareable(array: npt.NDArray[Any]) -> bool:
@@ -114,7 +117,7 @@ def shared_bytes(value: Any) -> int:
 
 # -- decode process side ------------------------------------------------------------------------
 # A decode process maps a block only while it works on the chunk the block was lent to: the
-# mapping goes with the last array viewing it, when `worker.respond` returns. A mapping kept
+# mapping goes with the last array viewing it, when `decode.respond` returns. A mapping kept
 # longer would hold the block's memory after the main process unlinks it, out of sight of the
 # pool's byte count and of the main process's RSS (a cache of 32 blocks held 880 MiB with a
 # memory_limit of 64 MiB). The pages are mapped in one call (`populate`), so mapping anew per

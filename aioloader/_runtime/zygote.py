@@ -1,12 +1,10 @@
-"""The zygote: one small process per interpreter that forks decode processes and cleans up
-after its parent.
+"""The client of the zygote: one small process per interpreter that forks decode processes and
+cleans up after its parent (the process itself is `zygote_main`).
 
-It is started with `python -m aioloader._runtime.zygote_main`, so it has imported aioloader
-and numpy but never the user's main module; a decode process forked from it starts in
-milliseconds and runs no user code but what reaches it by value (cloudpickle). It also
-watches its parent: when the parent dies, even by SIGKILL, the zygote kills the decode
-processes and removes the parent's shared memory (and named caches it was the last member
-of). Decode processes die with the zygote (PR_SET_PDEATHSIG on Linux).
+The zygote is started on first use, as `python -m aioloader._runtime.zygote_main`, so it has
+imported aioloader and numpy but never the user's main module. This module imports neither the
+decode code nor the cache: the cache uses it to have its segments removed should this process
+die.
 
 Protocol on the control socket (a `Channel`): a request `(number, kind, argument)`, then its
 reply `(number, answer)`, one at a time. A reply carries its request's number, so one that comes
@@ -15,13 +13,8 @@ after its request timed out is dropped rather than taken for the answer to the n
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import importlib
 import itertools
 import os
-import select
-import signal
 import socket
 import subprocess
 import sys
@@ -37,11 +30,6 @@ from .channel import Channel
 
 START_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
-POLL_SECONDS = 0.25
-"""How often the zygote checks that its parent is alive and reaps its children."""
-
-
-# -- the parent's side ----------------------------------------------------------------------
 
 
 class Zygote(ProcessBound):
@@ -162,117 +150,3 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
-
-
-# -- the zygote's side --------------------------------------------------------------------------
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent (the zygote) dies."""
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-class _Server:
-    def __init__(self, control: Channel, parent: int) -> None:
-        self.control = control
-        self.parent = parent
-        self.children: set[int] = set()
-        self.statuses: dict[int, int] = {}
-        self.caches: set[str] = set()
-
-    def serve(self) -> None:
-        self.control.send("ready")
-        try:
-            while os.getppid() == self.parent:
-                readable, _, _ = select.select([self.control.socket], [], [], POLL_SECONDS)
-                self.reap()
-                if readable:
-                    (number, kind, argument), fds = self.control.receive_with_fds()
-                    self.control.send((number, self.answer(kind, argument, fds)))
-        except (EOFError, OSError):
-            pass  # the parent closed its end: it exited or died
-        finally:
-            self.clean_up()
-
-    def answer(self, kind: str, argument: Any, fds: list[int]) -> Any:
-        if kind == "spawn":
-            preload(argument)
-            return self.fork(fds[0])
-        if kind == "preload":
-            preload(argument)
-            return "ok"
-        if kind == "status":
-            self.reap()
-            return self.statuses.get(argument)
-        (self.caches.add if kind == "watch" else self.caches.discard)(argument)
-        return "ok"
-
-    def fork(self, channel: int) -> int:
-        zygote = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                self.control.close()
-                die_with_parent()
-                if os.getppid() != zygote:  # the zygote died before the request took effect
-                    os._exit(1)
-                from .worker import serve
-
-                code = serve(channel)
-            finally:
-                os._exit(code)
-        os.close(channel)
-        self.children.add(pid)
-        return pid
-
-    def reap(self) -> None:
-        for pid in list(self.children):
-            with contextlib.suppress(ChildProcessError):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    self.children.discard(pid)
-                    self.statuses[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else (
-                        os.WEXITSTATUS(status))
-
-    def clean_up(self) -> None:
-        """Decode processes first (none may create a segment after the sweep), then the
-        parent's shared memory, if the parent is gone."""
-        for pid in self.children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while self.children and time.monotonic() < deadline:
-            self.reap()
-            time.sleep(0.01)
-        from .._cache import remove_if_unused
-        from .shm import remove_leftovers
-
-        remove_leftovers(self.parent)
-        for name in self.caches:
-            remove_if_unused(name)
-
-
-def preload(packages: list[str]) -> None:
-    """Import installed packages so forked decode processes have them; one that fails to
-    import is left to the decode process, as before."""
-    for name in packages:
-        if name not in sys.modules:
-            with contextlib.suppress(Exception):
-                importlib.import_module(name)
-
-
-def _exit_on_term(signum: int, frame: object) -> None:
-    raise SystemExit(0)  # runs the clean-up on the way out
-
-
-def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    signal.signal(signal.SIGTERM, _exit_on_term)
-    from . import worker  # noqa: F401  (with numpy and cloudpickle: what every decode process runs)
-
-    preload(["PIL.Image"])  # most decode functions decode images; later, what they were seen to use
-    with socket.socket(fileno=int(sys.argv[1])) as control:
-        _Server(Channel(control), int(sys.argv[2])).serve()

@@ -1,30 +1,16 @@
-"""The decode process: what it runs (the decode spec on chunks), how it starts, and
-`get_worker_info()` for code running in it.
-
-A chunk is the unit sent to a process: the raw items of one batch (or of a few unbatched
-samples). Decoding and collating a whole batch in one task keeps the traffic to one message each
-way per batch, whatever the batch size.
-"""
+"""Decoding a chunk: the spec a decode process runs, the per-sample rng, the collate into
+shared memory, and `get_worker_info()` for code running in a decode process. Every decoder
+(`decoders.py`) runs chunks through `run_chunk`, in a decode process or inline."""
 
 from __future__ import annotations
 
 import inspect
-import os
-import pickle
-import pickletools
-import random
 import re
-import signal
-import socket
-import sys
-import sysconfig
 import traceback
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +19,7 @@ from .._collate import default_collate
 from .._sampling import sample_rng
 from .._stats import now
 from . import transport
-from .channel import Channel
+from .messages import Chunk, ChunkResult
 
 
 @dataclass(frozen=True)
@@ -54,6 +40,12 @@ def get_worker_info() -> WorkerInfo | None:
     None in the main process (also when num_workers=0 decodes inline).
     """
     return _worker_info
+
+
+def set_worker_info(info: WorkerInfo) -> None:
+    """Once, as a decode process starts: from then on it decodes as that worker."""
+    global _worker_info
+    _worker_info = info
 
 
 _GENERATOR = re.compile(r"\bGenerator\b")
@@ -123,66 +115,12 @@ class DecodeSpec:
             else:
                 value = self.decode(raw)
             if self.cache is not None:
-                self.cache.put(index, value)
+                self.cache._put(index, value)
         if self.augment is None:
             return value
         if self.augment_wants_rng:
             return self.augment(value, sample_rng(self.seed, epoch, index))
         return self.augment(value)
-
-
-def own_elements(value: Any) -> Any:
-    """`value` with each torch tensor that views a larger storage replaced by a copy of its
-    own elements. Pickling a tensor sends its whole storage, so a 1 KiB slice of a 64 MiB
-    tensor would cross as 64 MiB (DataLoader's workers share storages instead)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not transport.holds(value, torch.Tensor):
-        return value
-
-    def own(tensor: Any) -> Any:
-        if tensor.layout == torch.strided and tensor.untyped_storage().nbytes() > tensor.nbytes:
-            return tensor.clone()
-        return tensor
-
-    return transport.map_arrays(value, own, torch.Tensor)
-
-
-@dataclass
-class Chunk:
-    epoch: int
-    indices: list[int]
-    raws: list[Any]
-    slot: transport.Slot | None = None
-    """A shared-memory block to hand the result back in, when the main process has one."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled for a decode process: tensor views travel as their own elements."""
-        return {**vars(self), "raws": own_elements(self.raws)}
-
-
-@dataclass
-class ChunkResult:
-    items: list[Any]
-    """One collated batch, nothing if every sample was skipped, or the samples when unbatched."""
-    skipped: list[tuple[int, str]]
-    """(position in the chunk, one-line reason) of samples whose decode raised (skip mode)."""
-    failure: tuple[int | None, str, str] | None = None
-    """(index, one-line reason, traceback) of the first failure in raise mode; index None:
-    collate failed."""
-    timings: list[tuple[float, float]] = field(default_factory=list)
-    """(start, end) of each decoded sample, on the clock of `stats.now`."""
-    process: str = "inline"
-    """Which decode process ran the chunk, for the timeline."""
-    shared: bool = False
-    """The items' arrays are in the chunk's slot (SharedArray places in `items`)."""
-    needed: int = 0
-    """Bytes the items' arrays need in shared memory."""
-    no_space: bool = False
-    """/dev/shm could not hold the block: the items came pickled instead."""
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled for the main process: tensor views travel as their own elements."""
-        return {**vars(self), "items": own_elements(self.items)}
 
 
 def one_line(error: BaseException) -> str:
@@ -298,158 +236,3 @@ def respond(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
                 if placed is not None:
                     result.items, result.shared = placed, True
     return result
-
-
-# -- messages -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Init:
-    """The first message a decode process gets: who it is, the spec, and the main process's
-    import path, arguments, working directory, environment and warning filters, so code
-    behaves as it would there."""
-
-    code: bytes
-    """The spec and worker_init, pickled together: functions of `__main__` share one copy of
-    its globals, so what worker_init sets there, decode sees."""
-    worker_id: int
-    num_workers: int
-    seed: int
-    sys_path: list[str]
-    argv: list[str]
-    cwd: str
-    environ: dict[str, str]
-    warning_filters: list[Any]
-
-
-@dataclass(frozen=True)
-class Ready:
-    pid: int
-
-
-@dataclass(frozen=True)
-class InitFailed:
-    reason: str
-    traceback: str
-
-
-@dataclass(frozen=True)
-class Task:
-    id: int
-    chunk: Chunk
-
-
-@dataclass(frozen=True)
-class Done:
-    id: int
-    result: ChunkResult
-
-
-@dataclass(frozen=True)
-class Imported:
-    """Installed packages this process imported beyond the zygote's, after its first chunk."""
-
-    packages: list[str]
-
-
-STOP = "stop"
-
-
-def installed_packages(modules: set[str]) -> list[str]:
-    """The top-level packages among `modules` that come from the Python installation
-    (standard library, site-packages), not from the user's own folders."""
-    roots = _installation_roots()
-    return sorted({name.partition(".")[0] for name in modules
-                   if _installed(name.partition(".")[0], roots)})
-
-
-def packages_behind(pickles: list[bytes]) -> list[str]:
-    """The installed packages that unpickling `pickles` imports: those it names, and those the
-    user's own modules it names import (followed through their globals, as importing them
-    runs their imports). The zygote imports them once, before the first decode processes
-    fork, rather than each process on its own."""
-    roots = _installation_roots()
-    todo = [arg for pickled in pickles for _, arg, _ in pickletools.genops(pickled)
-            if isinstance(arg, str) and arg in sys.modules and not arg.startswith("__")]
-    seen: set[str] = set()
-    found: set[str] = set()
-    while todo:
-        name = todo.pop()
-        top = name.partition(".")[0]
-        if name in seen or top == "aioloader":
-            continue
-        seen.add(name)
-        if _installed(top, roots):
-            found.add(top)
-            continue
-        module = sys.modules.get(name)
-        for value in vars(module).values() if module is not None else ():
-            named = value.__name__ if isinstance(value, ModuleType) else getattr(
-                value, "__module__", None)
-            if isinstance(named, str) and named in sys.modules and not named.startswith("__"):
-                todo.append(named)
-    return sorted(found)
-
-
-def _installation_roots() -> set[str]:
-    return {os.path.realpath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-            if (p := sysconfig.get_paths().get(key))}
-
-
-def _installed(top: str, roots: set[str]) -> bool:
-    module = sys.modules.get(top)
-    where = getattr(module, "__file__", None)
-    if top.startswith("__") or where is None:
-        return False
-    where = os.path.realpath(where)
-    return any(where.startswith(root + os.sep) for root in roots)
-
-
-def _start(init: Init) -> DecodeSpec:
-    global _worker_info
-    sys.path[:] = init.sys_path
-    sys.argv[:] = init.argv
-    os.environ.clear()
-    os.environ.update(init.environ)
-    os.chdir(init.cwd)
-    warnings.resetwarnings()
-    cast(list[Any], warnings.filters).extend(init.warning_filters)
-    seed = init.seed + init.worker_id
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    _worker_info = WorkerInfo(init.worker_id, init.num_workers, seed)
-    spec: DecodeSpec
-    spec, worker_init = pickle.loads(init.code)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(seed)
-    if worker_init is not None:
-        worker_init(init.worker_id)
-    return spec
-
-
-def serve(descriptor: int) -> int:
-    """A decode process's life: start as told, then decode chunks until told to stop or until
-    the main process is gone (end of the channel)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    channel = Channel(socket.socket(fileno=descriptor))
-    preloaded = set(sys.modules)
-    reported = False
-    try:
-        init = channel.receive()
-        try:
-            spec = _start(init)
-        except BaseException as e:
-            channel.send(InitFailed(one_line(e), traceback.format_exc()))
-            return 1
-        channel.send(Ready(os.getpid()))
-        while (message := channel.receive()) != STOP:
-            channel.send(Done(message.id, respond(spec, message.chunk)))
-            if not reported:
-                reported = True
-                channel.send(Imported(installed_packages(set(sys.modules) - preloaded)))
-    except (EOFError, OSError):
-        pass
-    finally:
-        channel.close()
-    return 0

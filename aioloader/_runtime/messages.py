@@ -1,0 +1,120 @@
+"""What the main process and a decode process send each other over their channel.
+
+A chunk is the unit sent to a process: the raw items of one batch (or of a few unbatched
+samples). Decoding and collating a whole batch in one task keeps the traffic to one message each
+way per batch, whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import transport
+
+
+def own_elements(value: Any) -> Any:
+    """`value` with each torch tensor that views a larger storage replaced by a copy of its
+    own elements. Pickling a tensor sends its whole storage, so a 1 KiB slice of a 64 MiB
+    tensor would cross as 64 MiB (DataLoader's workers share storages instead)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+
+    def own(tensor: Any) -> Any:
+        if tensor.layout == torch.strided and tensor.untyped_storage().nbytes() > tensor.nbytes:
+            return tensor.clone()
+        return tensor
+
+    return transport.map_arrays(value, own, torch.Tensor)
+
+
+@dataclass
+class Chunk:
+    epoch: int
+    indices: list[int]
+    raws: list[Any]
+    slot: transport.Slot | None = None
+    """A shared-memory block to hand the result back in, when the main process has one."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for a decode process: tensor views travel as their own elements."""
+        return {**vars(self), "raws": own_elements(self.raws)}
+
+
+@dataclass
+class ChunkResult:
+    items: list[Any]
+    """One collated batch, nothing if every sample was skipped, or the samples when unbatched."""
+    skipped: list[tuple[int, str]]
+    """(position in the chunk, one-line reason) of samples whose decode raised (skip mode)."""
+    failure: tuple[int | None, str, str] | None = None
+    """(index, one-line reason, traceback) of the first failure in raise mode; index None:
+    collate failed."""
+    timings: list[tuple[float, float]] = field(default_factory=list)
+    """(start, end) of each decoded sample, on the clock of `stats.now`."""
+    process: str = "inline"
+    """Which decode process ran the chunk, for the timeline."""
+    shared: bool = False
+    """The items' arrays are in the chunk's slot (SharedArray places in `items`)."""
+    needed: int = 0
+    """Bytes the items' arrays need in shared memory."""
+    no_space: bool = False
+    """/dev/shm could not hold the block: the items came pickled instead."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled for the main process: tensor views travel as their own elements."""
+        return {**vars(self), "items": own_elements(self.items)}
+
+
+@dataclass(frozen=True)
+class Init:
+    """The first message a decode process gets: who it is, the spec, and the main process's
+    import path, arguments, working directory, environment and warning filters, so code
+    behaves as it would there."""
+
+    code: bytes
+    """The spec and worker_init, pickled together: functions of `__main__` share one copy of
+    its globals, so what worker_init sets there, decode sees."""
+    worker_id: int
+    num_workers: int
+    seed: int
+    sys_path: list[str]
+    argv: list[str]
+    cwd: str
+    environ: dict[str, str]
+    warning_filters: list[Any]
+
+
+@dataclass(frozen=True)
+class Ready:
+    pid: int
+
+
+@dataclass(frozen=True)
+class InitFailed:
+    reason: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class Task:
+    id: int
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
+class Done:
+    id: int
+    result: ChunkResult
+
+
+@dataclass(frozen=True)
+class Imported:
+    """Installed packages this process imported beyond the zygote's, after its first chunk."""
+
+    packages: list[str]
+
+
+STOP = "stop"

@@ -1,0 +1,116 @@
+"""The package's shape: its modules import one another one way only (also through imports
+inside functions), and nested samples are walked by one walker that rebuilds only what it
+changes."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+import aioloader
+from aioloader._runtime.messages import Chunk
+from aioloader._runtime.transport import map_arrays
+
+PACKAGE = Path(aioloader.__file__).resolve().parent
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports anywhere in it."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                target = base if node.level else ""
+                if node.module:
+                    target = f"{target}.{node.module}" if target else node.module
+                for alias in node.names:  # `from . import shm` names a module
+                    module = f"{target}.{alias.name}"
+                    found.add(module if module in modules else target)
+        graph[name] = {module for module in found if module in modules and module != name}
+    return graph
+
+
+def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
+    """A chain of imports from `start` back to it, if there is one."""
+    todo: list[list[str]] = [[start]]
+    seen: set[str] = set()
+    while todo:
+        chain = todo.pop()
+        for module in sorted(graph[chain[-1]]):
+            if module == start:
+                return [*chain, start]
+            if module not in seen:
+                seen.add(module)
+                todo.append([*chain, module])
+    return None
+
+
+def test_no_module_of_the_package_imports_itself_back_even_inside_a_function() -> None:
+    graph = _imports()
+    assert "aioloader._cache" in graph and "aioloader._runtime.zygote" in graph
+    cycles = [cycle for module in sorted(graph) if (cycle := _cycle_from(module, graph))]
+    assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+class Record(Mapping[str, Any]):
+    """A read-only mapping that cannot be rebuilt from a dict (as many library types)."""
+
+    def __init__(self, **fields: Any) -> None:
+        self._fields = fields
+
+    def __getitem__(self, key: str) -> Any:
+        return self._fields[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+
+class Pair(NamedTuple):
+    image: Any
+    label: Any
+
+
+def test_a_walk_that_replaces_nothing_rebuilds_no_container() -> None:
+    raw = [Record(name="a", size=3), (b"bytes", ["text", 1.5, None]), {"k": Pair(1, "x")}]
+    assert map_arrays(raw, lambda array: array + 1) is raw
+
+
+def test_a_walk_rebuilds_the_containers_of_what_it_replaces_with_their_types() -> None:
+    sample = {"pair": Pair(np.arange(3), "cat"), "rest": [np.zeros(2), (np.ones(1), b"b")],
+              "untouched": ["text"]}
+    mapped = map_arrays(sample, lambda array: array + 1)
+    assert type(mapped["pair"]) is Pair and mapped["pair"].image.tolist() == [1, 2, 3]
+    assert mapped["pair"].label == "cat" and mapped["rest"][0].tolist() == [1, 1]
+    assert type(mapped["rest"][1]) is tuple and mapped["rest"][1][0].tolist() == [2]
+    assert mapped["untouched"] is sample["untouched"] and sample["rest"][0].tolist() == [0, 0]
+
+
+def test_raw_items_of_any_mapping_travel_to_a_decode_process_once_torch_is_imported() -> None:
+    import torch  # a chunk's raws are walked for tensor views only once torch is imported
+
+    storage = torch.arange(1000)
+    raws = [Record(name="a"), {"view": storage[:4]}]
+    back = pickle.loads(pickle.dumps(Chunk(0, [0, 1], raws)))
+    assert back.raws[0] == {"name": "a"} and back.raws[1]["view"].tolist() == [0, 1, 2, 3]
+    assert back.raws[1]["view"].untyped_storage().nbytes() == 4 * storage.element_size()
