@@ -1,19 +1,22 @@
-"""DDP on tar shards of uneven sizes, resumed on another number of ranks.
+"""DDP on tar shards (or Parquet row groups) of uneven sizes, resumed on another number of ranks.
 
-    python examples/distributed_tar_shards.py --out results/
+    python examples/distributed_tar_shards.py --out results/ [--format parquet]
 
-writes scikit-learn's handwritten digits into 9 WebDataset tar shards of uneven sizes, serves
+writes scikit-learn's handwritten digits into 9 WebDataset tar shards of uneven sizes (or 9
+Parquet files whose row groups are as uneven), serves
 them from the project's test server on 127.0.0.1, and trains a small model with
 DistributedDataParallel (gloo, CPU) under torchrun: two ranks for two epochs and part of a
 third, where rank 0 saves a checkpoint (the model and `loader.state_dict()`); then three ranks
 resume from it and finish. Every rank takes the same number of steps in every epoch (an epoch
-divides by samples, not shards), and the resumed epoch skips nothing. Each rank writes the
-samples it saw per epoch.
+divides by samples, not shards), and the resumed epoch skips nothing. Mid-epoch, rank 0 forks a
+child that exits at once (as a checkpoint writer or a logging helper would): training goes on.
+Each rank writes the samples it saw per epoch.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import io
 import json
@@ -40,20 +43,27 @@ def decode_digit(sample: dict[str, Any]) -> dict[str, object]:
     return {"x": pixels, "y": raw[2], "index": int.from_bytes(raw[:2], "little")}
 
 
-def write_shards(folder: Path) -> list[str]:
+def write_shards(folder: Path, format: str) -> list[str]:
+    """Tar shards of SHARDS digits each, or Parquet files with row groups of up to 64 rows."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     names, first = [], 0
     for n, count in enumerate(SHARDS):
-        names.append(f"digits-{n:03d}.tar")
-        with tarfile.open(folder / names[-1], "w") as tar:
-            for i in range(first, first + count):
-                body = i.to_bytes(2, "little") + bytes([digits.target[i]])
-                body += digits.data[i].astype(np.uint8).tobytes()
-                info = tarfile.TarInfo(f"digit-{i:04d}.bin")
-                info.size = len(body)
-                tar.addfile(info, io.BytesIO(body))
+        bodies = [i.to_bytes(2, "little") + bytes([digits.target[i]])
+                  + digits.data[i].astype(np.uint8).tobytes() for i in range(first, first + count)]
+        names.append(f"digits-{n:03d}.{format}")
+        if format == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table({"bin": bodies}), folder / names[-1], row_group_size=64)
+        else:
+            with tarfile.open(folder / names[-1], "w") as tar:
+                for i, body in enumerate(bodies, first):
+                    info = tarfile.TarInfo(f"digit-{i:04d}.bin")
+                    info.size = len(body)
+                    tar.addfile(info, io.BytesIO(body))
         first += count
     return names
 
@@ -70,8 +80,9 @@ def train(urls: list[str], epochs: int, out: Path, stop_after: int | None,
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    loader = aioloader.Loader(aioloader.TarShards(urls, shuffle_buffer=100),
-                              decode=decode_digit, batch_size=16, shuffle=True, seed=1,
+    data = (aioloader.Parquet(urls, shuffle_window=2) if urls[0].endswith(".parquet")
+            else aioloader.TarShards(urls, shuffle_buffer=100))
+    loader = aioloader.Loader(data, decode=decode_digit, batch_size=16, shuffle=True, seed=1,
                               num_workers=1)
     first_epoch = 0
     if resume is not None:
@@ -92,6 +103,8 @@ def train(urls: list[str], epochs: int, out: Path, stop_after: int | None,
                 loss.backward()  # all-reduces: a rank with fewer steps would hang or crash
                 optimizer.step()
                 seen[epoch] += batch["index"].tolist()
+                if rank == 0 and epoch == first_epoch and step == 3:
+                    fork_a_child_that_exits()
                 if stop_after is not None and epoch == epochs - 1 and step == stop_after:
                     if rank == 0:
                         torch.save({"model": net.state_dict(), "loader": batches.state_dict()},
@@ -103,19 +116,31 @@ def train(urls: list[str], epochs: int, out: Path, stop_after: int | None,
     dist.destroy_process_group()
 
 
+def fork_a_child_that_exits() -> None:
+    """What a checkpoint writer or a logging helper does mid-epoch: the child's exit runs the
+    Python finalizers it inherited (the loader's among them), which must leave the parent's
+    loader alone. The child then ends with os._exit, not sys.exit: after a gloo process group,
+    torch's own C++ teardown hangs in a forked child, with or without aioloader."""
+    pid = os.fork()
+    if pid == 0:
+        atexit._run_exitfuncs()  # what sys.exit runs in Python, weakref finalizers included
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
 def torchrun(ranks: int, *arguments: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={ranks}", __file__, *arguments]
     subprocess.run(command, check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def launch(out: Path) -> None:
+def launch(out: Path, format: str) -> None:
     """Two ranks for epochs 0, 1 and 6 steps of 2; three ranks resume and finish epoch 2."""
     from aioloader.testing import TestServer
 
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
-        names = write_shards(Path(folder))
+        names = write_shards(Path(folder), format)
         with TestServer(folder, latency_ms=5) as server:
             urls = ",".join(server.url + name for name in names)
             common = ["--urls", urls, "--out", str(out), "--epochs", "3"]
@@ -131,6 +156,7 @@ def launch(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("distributed-tar-shards"))
+    parser.add_argument("--format", choices=["tar", "parquet"], default="tar")
     parser.add_argument("--urls", help="set by the launcher: the shards, comma-separated")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--stop-after", type=int, default=None)
@@ -139,7 +165,7 @@ def main() -> None:
     if args.urls:
         train(args.urls.split(","), args.epochs, args.out, args.stop_after, args.resume)
     else:
-        launch(args.out)
+        launch(args.out, args.format)
 
 
 if __name__ == "__main__":

@@ -61,14 +61,17 @@ def test_executor_and_worker_init_do_not_mix(urls: list[str]) -> None:
         aioloader.Loader(aioloader.Files(urls), executor=executor, worker_init=print)
 
 
-def test_torchrun_on_uneven_tar_shards_steps_together_and_resumes_on_three_ranks(
-    tmp_path: Path,
+@pytest.mark.parametrize("format", ["tar", "parquet"])
+def test_torchrun_on_uneven_shards_steps_together_resumes_on_three_ranks_and_survives_a_fork(
+    tmp_path: Path, format: str
 ) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
+    if format == "parquet":
+        pytest.importorskip("pyarrow")
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "distributed_tar_shards.py"),
-         "--out", str(tmp_path)],
+         "--out", str(tmp_path), "--format", format],
         check=True, timeout=400, capture_output=True,
     )
 
