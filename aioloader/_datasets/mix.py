@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from .._errors import LoaderError
 from .._sampling import ShardInfo, Spawn, call_with_shard_info, epoch_order, get_shard_info
 from ..storage import _storage as storage
 from .base import Dataset, Stream
+from .streaming import ordered_ahead
 
 BLOCK = 1 << 16
 """Positions whose draws are made at once: draws are computed block by block, never the whole
@@ -437,18 +439,11 @@ async def _read_in(info: ShardInfo, stream: Stream, ahead: int) -> AsyncGenerato
 
 async def _dataset_items(dataset: Dataset, indices: Any,
                          ahead: int) -> AsyncGenerator[Any, None]:
-    """A map-style source's pass as a stream (this rank's share), read `ahead` items ahead."""
-    pending: deque[asyncio.Task[Any]] = deque()
-    try:
-        for index in indices.tolist():
-            pending.append(asyncio.ensure_future(dataset.fetch(index)))
-            if len(pending) >= ahead:
-                yield await pending.popleft()
-        while pending:
-            yield await pending.popleft()
-    finally:
-        for task in pending:
-            task.cancel()
+    """A map-style source's pass as a stream (this rank's share), `ahead` reads in flight."""
+    jobs = ((functools.partial(dataset.fetch, index), 0) for index in indices.tolist())
+    async with contextlib.aclosing(ordered_ahead(jobs, max(0, ahead - 1))) as items:
+        async for item in items:
+            yield item
 
 
 def Mix(
