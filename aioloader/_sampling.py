@@ -259,14 +259,13 @@ class Division:
 
     def remaining_after(self, done: int) -> Intervals:
         """The sequence positions no rank has taken once every rank took `done` items."""
-        done = min(done, self.per_rank)
+        done, size = min(done, self.per_rank), self.per_rank
+        untaken = [(r * size + done, min((r + 1) * size, self.remaining))
+                   for r in range(self._world_size)]
+        untaken.append((self._world_size * size, self.remaining))  # what drop_last cut
         kept: list[tuple[int, int]] = []
-        for rank in range(self._world_size + 1):
-            start = rank * self.per_rank + (done if rank < self._world_size else 0)
-            stop = min((rank + 1) * self.per_rank, self.remaining)
-            if rank == self._world_size:  # the ones drop_last cut
-                stop = self.remaining
-            for first, last in self._sequence_ranges(start, stop) if start < stop else []:
+        for start, stop in untaken:
+            for first, last in self._sequence_ranges(start, stop):
                 if kept and kept[-1][1] == first:
                     kept[-1] = (kept[-1][0], last)
                 else:
