@@ -164,6 +164,8 @@ class SharedCache(Closing):
         self.hits = 0
         self.misses = 0
         self.uncacheable = 0
+        self._copy = False
+        """Unpickled in another process: the segments were made by the process that sent it."""
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -173,6 +175,8 @@ class SharedCache(Closing):
         if self._index is None and self.name is not None:
             self._join(capacity)
             Zygote.get().watch_cache(self.name, True)
+        elif self._index is None and self._remover is None and self._copy:
+            self._map()  # a copy sent to a loader service: the segments exist
         elif self._index is None:
             Zygote.get()  # removes the segments should this process die
             self._create(capacity)
@@ -233,6 +237,7 @@ class SharedCache(Closing):
         self.name, self._members_fd, self._remover = None, -1, None
         self._index, self._data, self._index_fd, self._data_fd = None, None, -1, -1
         self.hits = self.misses = self.uncacheable = 0
+        self._copy = True
 
     # -- use --------------------------------------------------------------------------------
 

@@ -6,9 +6,24 @@ Messages are one or two lines; a traceback from a decode process is kept as the 
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LoaderError(Exception):
     """Something went wrong producing a batch; the message names the sample and the cause."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as it is (type, message, attributes), whatever its `__init__` takes: a
+        loader service raises it in the training process."""
+        return (_rebuilt, (type(self), self.args, dict(vars(self))))
+
+
+def _rebuilt(kind: type[LoaderError], args: tuple[Any, ...], attributes: dict[str, Any]
+             ) -> LoaderError:
+    error = kind.__new__(kind)
+    error.args = args
+    vars(error).update(attributes)
+    return error
 
 
 class RemoteTraceback(Exception):

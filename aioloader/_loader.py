@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
+import dataclasses
 import os
 import threading
 import warnings
 import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from concurrent.futures import Executor
 from pathlib import Path
@@ -24,6 +25,13 @@ import numpy as np
 from ._cache import SharedCache
 from ._closing import AsyncClosing, Closing, ProcessBound
 from ._collate import default_collate
+from ._config import (
+    DEFAULT_MEMORY_LIMIT,
+    LoaderConfig,
+    Service,
+    check_count,
+    default_service,
+)
 from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
@@ -31,11 +39,12 @@ from ._loopthread import LoopThread
 from ._runtime import autotune, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
-from ._runtime.decode import DecodeSpec, takes_rng
+from ._runtime.decode import DecodeSpec
 from ._runtime.decoders import Decoder, ExecutorDecoder, InlineDecoder, PoolDecoder
 from ._runtime.passes import END, Pass, PassConfig
 from ._runtime.pool import DecodePool
 from ._runtime.preload import packages_behind
+from ._runtime.service_client import ServiceClient, load_stats
 from ._runtime.sources import PlannedSource, StreamSource
 from ._runtime.transport import BlockPool
 from ._runtime.zygote import Zygote
@@ -49,17 +58,16 @@ from ._sampling import (
     default_rank_and_world_size,
     steps_in_epoch,
 )
-from ._stats import LoaderStats
+from ._stats import LoaderStats, now
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._diskcache import DiskCache
 from .storage._hedge import Hedger
 from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
-from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
+from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 from .storage._storage import Storage
 
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
-DEFAULT_MEMORY_LIMIT = 1 << 30
 READ_AHEAD_PER_READ = 32
 """Samples read ahead of the decode stage per read in flight (bounded by memory_limit too)."""
 CLOSE_WAIT_SECONDS = 5.0
@@ -152,94 +160,73 @@ class Loader(Closing, AsyncClosing):
         memory_limit: int | None = None,
         max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
         hedge: bool = True,
+        service: Service | Literal["default"] | None = "default",
     ) -> None:
-        if not isinstance(dataset, (Dataset, Stream)):
-            raise TypeError(
-                "dataset must be an aioloader.Dataset (subclass it: __len__ and async "
-                "fetch(index)) or an aioloader.Stream (async __aiter__), got "
-                f"{type(dataset).__name__}"
-            )
-        _check_count("batch_size", batch_size, minimum=1, allow_none=True)
-        self.auto_concurrency = concurrency == "auto"
-        if concurrency == "auto":
-            concurrency = autotune.START
-        _check_count("concurrency", concurrency, minimum=1)
-        _check_count("num_workers", num_workers, minimum=0)
-        _check_count("prefetch", prefetch, minimum=1)
-        _check_count("seed", seed, minimum=0)
-        _check_count("max_worker_restarts", max_worker_restarts, minimum=0)
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("ordered", ordered),
-                           ("persistent_workers", persistent_workers),
-                           ("shared_memory", shared_memory), ("hedge", hedge)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{name} must be True or False, got {flag!r}")
-        _check_seconds("decode_timeout", decode_timeout, allow_none=True)
-        _check_seconds("stall_timeout", stall_timeout)
-        _check_count("memory_limit", memory_limit, minimum=1, allow_none=True)
-        _check_count("max_object_bytes", max_object_bytes, minimum=1)
-        if isinstance(dataset, Stream):
-            dataset.check_batching(batch_size, ordered)
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f'on_error must be "raise" or "skip", got {on_error!r}')
-        if decode is not None and not callable(decode):
-            raise TypeError(f"decode must be a function or None, got {decode!r}")
         default_rank, default_world = default_rank_and_world_size()
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_world if world_size is None else world_size
-        _check_count("world_size", self.world_size, minimum=1)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
-        if isinstance(dataset, Dataset):
-            dataset.check_world_size(self.world_size)
-        if executor is not None and worker_init is not None:
-            raise ValueError("worker_init runs in the built-in decode processes; with executor=, "
-                             "set up the executor's workers yourself")
-        if cache is not None:
-            if isinstance(dataset, Stream):
-                raise ValueError("cache= needs map-style data: a stream has no stable index")
-            if takes_rng(decode):
-                raise ValueError("decode= feeds the cache, so it must not be random: move the "
-                                 "random part into augment=(value, rng)")
-            cache._attach(len(dataset))
-        RetryPolicy(retries, timeout)  # validates both
+        config = LoaderConfig(
+            dataset=dataset, decode=decode, batch_size=batch_size, shuffle=shuffle, seed=seed,
+            drop_last=drop_last,
+            concurrency=autotune.START if concurrency == "auto" else concurrency,
+            auto_concurrency=concurrency == "auto", num_workers=num_workers, prefetch=prefetch,
+            ordered=ordered, collate=collate, worker_init=worker_init,
+            rank=default_rank if rank is None else rank,
+            world_size=default_world if world_size is None else world_size,
+            on_error=on_error, persistent_workers=persistent_workers, retries=retries,
+            timeout=timeout, shared_memory=shared_memory, augment=augment, cache=cache,
+            cache_dir=None if cache_dir is None else os.fspath(cache_dir),
+            cache_limit=cache_limit, decode_timeout=decode_timeout, stall_timeout=stall_timeout,
+            max_worker_restarts=max_worker_restarts,
+            memory_limit=DEFAULT_MEMORY_LIMIT if memory_limit is None else memory_limit,
+            max_object_bytes=max_object_bytes, hedge=hedge,
+            service=default_service(num_workers, executor is not None)
+            if service == "default" else service,
+            has_executor=executor is not None,
+        )
+        self._start(config, executor)
 
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = bool(shuffle)
-        self.seed = seed
-        self.drop_last = bool(drop_last)
-        self.concurrency = concurrency
-        self.num_workers = num_workers
-        self.prefetch = prefetch
-        self.ordered = bool(ordered)
-        self.on_error = on_error
-        self.persistent_workers = bool(persistent_workers)
-        self.retries = retries
-        self.timeout = timeout
-        self.decode_timeout = decode_timeout
-        self.stall_timeout = stall_timeout
-        self.max_worker_restarts = max_worker_restarts
-        self.memory_limit = DEFAULT_MEMORY_LIMIT if memory_limit is None else memory_limit
-        self.max_object_bytes = max_object_bytes
-        self.hedge = bool(hedge)
-        self.stats = LoaderStats()
-        self._hedger = Hedger(self.stats.storage) if hedge else None
+    @classmethod
+    def from_config(cls, config: LoaderConfig) -> Loader:
+        """A Loader over a configuration made before."""
+        loader = cls.__new__(cls)
+        loader._start(config, None)
+        return loader
+
+    @classmethod
+    def _in_service(cls, config: LoaderConfig) -> Loader:
+        """The Loader inside a loader service: passes run here, batches go to its client."""
+        loader = cls.__new__(cls)
+        loader._start(dataclasses.replace(config, service=None), None, export=True)
+        return loader
+
+    def _start(self, config: LoaderConfig, executor: Executor | None, export: bool = False
+               ) -> None:
+        self.config = config
+        dataset = config.dataset
+        if config.cache is not None:
+            config.cache._attach(len(cast(Dataset, dataset)))
+        self.concurrency = config.concurrency
+        """Reads allowed in flight now: `config.concurrency`, or what tuning chose."""
+        self._stats = LoaderStats()
+        self._hedger = Hedger(self._stats.storage) if config.hedge else None
         """Kept from pass to pass: what it learnt of read times is valid in the next epoch."""
-        self.cache = cache
-        self.disk_cache = None if cache_dir is None else DiskCache(cache_dir, cache_limit)
-        self.stats.cache_reports = [c.report for c in (cache, self.disk_cache) if c is not None]
-        self.stats.source_shares = getattr(dataset, "shares", None)
+        self.cache = config.cache
+        self.disk_cache = None if config.cache_dir is None else DiskCache(
+            config.cache_dir, config.cache_limit)
+        self._stats.cache_reports = [c.report for c in (self.cache, self.disk_cache)
+                                    if c is not None]
+        self._stats.source_shares = getattr(dataset, "shares", None)
         self.executor = executor
         load, threads = (None, 1) if isinstance(dataset, Stream) else (
             dataset.load_in_workers() or (None, 1))
-        self.stats.load_threads = threads if load is not None else 0
+        self._stats.load_threads = threads if load is not None else 0
         self._spec = DecodeSpec(
-            decode, collate if batch_size else None, on_error == "skip", seed, augment, cache,
-            load, threads,
+            config.decode, config.collate if config.batch_size else None, config.skip_errors,
+            config.seed, config.augment, config.cache, load, threads,
         )
-        self._worker_init = worker_init
-        if num_workers and executor is None:
-            packages = packages_behind(self._check_serialisable())
+        self._service = _ServiceHolder()
+        self._packages: list[str] = []
+        if config.num_workers and executor is None:
+            self._packages = packages = packages_behind(self._check_serialisable())
             # start the helper that forks decode processes now, with what decode imports,
             # while the caller builds the rest of the job: the first pass need not wait for it
             threading.Thread(target=_start_zygote, args=(packages,),
@@ -258,19 +245,62 @@ class Loader(Closing, AsyncClosing):
         self._pass_loop: asyncio.AbstractEventLoop | None = None
         self._pass_ended = threading.Condition(self._lock)
         self._opening = False
+        self._serving = False
+        """A pass runs in the loader service."""
         self._holder = _PoolHolder()
         self._blocks: BlockPool | None = None
-        if shared_memory and num_workers and executor is None and shm.available():
+        if (config.shared_memory and config.num_workers and executor is None
+                and config.service is None and shm.available()):
             self._blocks = BlockPool(
                 max_blocks=self._decode_window() + self._prefetch_chunks() + 4,
-                max_bytes=self.memory_limit,
+                max_bytes=config.memory_limit, export=export,
             )
-        self._finalizer = weakref.finalize(self, _shut_down, self._holder, self._blocks)
+        self._finalizer = weakref.finalize(self, _shut_down, self._holder, self._blocks,
+                                           self._service)
+
+    # -- settings (read-only: `config` holds them all) ---------------------------------------
+
+    @property
+    def dataset(self) -> Dataset | Stream:
+        return self.config.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.config.batch_size
+
+    @property
+    def num_workers(self) -> int:
+        return self.config.num_workers
+
+    @property
+    def prefetch(self) -> int:
+        return self.config.prefetch
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def memory_limit(self) -> int:
+        return self.config.memory_limit
+
+    @property
+    def stats(self) -> LoaderStats:
+        """Per-stage figures and the bottleneck verdict. With a loader service, the service's
+        (asked for now while a pass runs), with the batches and waits seen here."""
+        if self.config.service is None:
+            return self._stats
+        return self._service.stats(self._stats)
 
     def _check_serialisable(self) -> list[bytes]:
-        """Fail here, not in a decode process, when a function cannot travel; the pickles."""
+        """Fail here, not in a decode process or the service, when something cannot travel;
+        the pickles."""
         pickled = []
-        for name, value in (("decode", self._spec), ("worker_init", self._worker_init)):
+        for name, value in (("decode", self._spec), ("worker_init", self.config.worker_init)):
             try:
                 pickled.append(dumps(value))
             except Exception as e:
@@ -279,6 +309,17 @@ class Loader(Closing, AsyncClosing):
                     "It (or what it refers to) holds something that cannot be pickled, such "
                     "as an open file, a lock or a socket; or use num_workers=0."
                 ) from e
+        if self.config.service is not None:
+            try:
+                self._service.code = dumps(self.config)
+            except Exception as e:
+                raise ValueError(
+                    f"the dataset cannot be sent to the loader service: {type(e).__name__}: "
+                    f"{e}. It holds something that cannot be pickled (an open file, a lock, a "
+                    "client); make it picklable, or keep the loader in this process with "
+                    "service=None."
+                ) from e
+            pickled.append(self._service.code)
         return pickled
 
     # -- epochs and state ------------------------------------------------------------------
@@ -291,7 +332,7 @@ class Loader(Closing, AsyncClosing):
         """Start the next iteration at the beginning of `epoch` (its order depends on it). After
         `load_state_dict`, setting the saved epoch keeps the saved position, as a training loop
         that resumes and then calls `set_epoch(epoch)` for each epoch expects."""
-        _check_count("epoch", epoch, minimum=0)
+        check_count("epoch", epoch, minimum=0)
         resuming = self._resume_at is not None and epoch == self._epoch
         if not resuming:
             self._epoch, self._position, self._resume_at, self._remaining = epoch, 0, None, None
@@ -317,7 +358,7 @@ class Loader(Closing, AsyncClosing):
             state["world_size"] = self.world_size
         state_at = getattr(self.dataset, "state_at", None)
         if state_at is not None:  # a mixture: where each source stands, for people to read
-            state["sources"] = state_at(self._epoch, self.seed, position)
+            state["sources"] = state_at(self._epoch, self.config.seed, position)
         fingerprint = getattr(self.dataset, "fingerprint", None)
         if fingerprint is not None:  # a mixture: its sources, weights and lengths
             state["mixture"] = fingerprint()
@@ -337,8 +378,9 @@ class Loader(Closing, AsyncClosing):
             if "remaining" in state:
                 remaining = check_intervals(state["remaining"], total)
             elif state.get("world_size") is not None:  # saved per rank by an older version
-                saved = ShardInfo(0, int(state["world_size"]), epoch, self.seed, self.shuffle,
-                                  self.drop_last)
+                config = self.config
+                saved = ShardInfo(0, int(state["world_size"]), epoch, config.seed,
+                                  config.shuffle, config.drop_last)
                 remaining = self.dataset.state_after(saved, position)
         elif isinstance(self.dataset, Stream):
             if state.get("world_size") != self.world_size:
@@ -361,16 +403,16 @@ class Loader(Closing, AsyncClosing):
         """Batches per epoch for this rank (samples when batch_size is None)."""
         step = self.batch_size or 1
         if not isinstance(self.dataset, Stream):
-            return steps_in_epoch(len(self.dataset), step, self.world_size, self.drop_last)
+            return steps_in_epoch(len(self.dataset), step, self.world_size, self.config.drop_last)
         if not hasattr(self.dataset, "__len__"):
             raise TypeError("this Loader reads a Stream without __len__: its length is unknown")
         dataset = cast(Sized, self.dataset)
         items = call_with_shard_info(self._shard_info(self._epoch), lambda: len(dataset))
-        return items // step if self.drop_last else -(-items // step)
+        return items // step if self.config.drop_last else -(-items // step)
 
     def _shard_info(self, epoch: int, remaining: Intervals | None = None) -> ShardInfo:
-        return ShardInfo(self.rank, self.world_size, epoch, self.seed, self.shuffle,
-                         self.drop_last, remaining, self.memory_limit // 2)
+        return ShardInfo(self.rank, self.world_size, epoch, self.config.seed, self.config.shuffle,
+                         self.config.drop_last, remaining, self.memory_limit // 2)
 
     def _steps_per_chunk(self) -> int:
         return 1 if self.batch_size else UNBATCHED_CHUNK
@@ -387,17 +429,17 @@ class Loader(Closing, AsyncClosing):
 
     def _config(self, epoch: int) -> PassConfig:
         chunk_samples = (self.batch_size or 1) * self._steps_per_chunk()
-        reads = autotune.HIGHEST if self.auto_concurrency else self.concurrency
+        reads = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
         return PassConfig(
             epoch=epoch,
             batch_size=self.batch_size,
             steps_per_chunk=self._steps_per_chunk(),
-            ordered=self.ordered,
-            skip_errors=self.on_error == "skip",
+            ordered=self.config.ordered,
+            skip_errors=self.config.skip_errors,
             memory_limit=self.memory_limit,
             read_ahead=max(READ_AHEAD_PER_READ * reads, 2 * chunk_samples),
             decode_window=self._decode_window(),
-            stall_timeout=self.stall_timeout,
+            stall_timeout=self.config.stall_timeout,
         )
 
     async def _open_pass(self) -> Pass:
@@ -405,11 +447,7 @@ class Loader(Closing, AsyncClosing):
         with self._lock:
             if self._closed:
                 raise LoaderError("this Loader is closed; build a new one")
-            if self._pass is not None or self._opening:
-                raise LoaderError(
-                    "a pass over this Loader is already running (in another thread or task); "
-                    "a Loader runs one pass at a time: finish or break that loop first"
-                )
+            self._refuse_a_second_pass()
             self._opening = True
         try:
             running = await self._build_pass()
@@ -427,6 +465,13 @@ class Loader(Closing, AsyncClosing):
                 running.fail(LoaderError("the Loader was closed"))
         return running
 
+    def _refuse_a_second_pass(self) -> None:
+        if self._pass is not None or self._opening or self._serving:
+            raise LoaderError(
+                "a pass over this Loader is already running (in another thread or task); "
+                "a Loader runs one pass at a time: finish or break that loop first"
+            )
+
     async def _build_pass(self) -> Pass:
         start = self._resume_at or 0
         if self._resume_at is None:
@@ -434,30 +479,33 @@ class Loader(Closing, AsyncClosing):
         self._position, self._resume_at = start, None
         epoch = self._epoch
         config = self._config(epoch)
-        stats = self.stats
+        stats = self._stats
         # a stream is pulled one item at a time, whatever it reads ahead itself
         stats.concurrency = 1 if isinstance(self.dataset, Stream) else self.concurrency
         stats.stream = isinstance(self.dataset, Stream)
         stats.decode_processes = self.num_workers
         reads = autotune.ReadLimit(self.concurrency)
-        connections = autotune.HIGHEST if self.auto_concurrency else self.concurrency
-        storage = Storage(connections, self.retries, self.timeout, stats.storage,
-                          self.disk_cache, self.max_object_bytes, self._hedger or False)
+        connections = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
+        storage = Storage(connections, self.config.retries, self.config.timeout, stats.storage,
+                          self.disk_cache, self.config.max_object_bytes, self._hedger or False)
         source: PlannedSource | StreamSource
         if isinstance(self.dataset, Stream):
             source = StreamSource(
                 self.dataset, start, self.batch_size or 1,
-                config.steps_per_chunk, not (self.drop_last and self.batch_size), stats,
+                config.steps_per_chunk, not (self.config.drop_last and self.batch_size), stats,
             )
         else:
-            order = self.dataset.epoch_order(self.shuffle, self.seed, epoch)
+            order = self.dataset.epoch_order(self.config.shuffle, self.config.seed, epoch)
             plan = EpochPlan(order, self.batch_size or 1, self.rank, self.world_size,
-                             self.drop_last, start)
+                             self.config.drop_last, start)
             source = PlannedSource(self.dataset, plan, config.steps_per_chunk,
                                    config.skip_errors, self.cache, reads, stats)
         decoder = self._decoder(epoch)
+        blocks = self._blocks
+        if isinstance(decoder, InlineDecoder) and blocks is not None and not blocks.export:
+            blocks = None  # collated here and used here: no block to copy the batch into
         side_tasks = []
-        if self.auto_concurrency:
+        if self.config.auto_concurrency:
             tuner = autotune.Tuner(
                 reads,
                 lambda: (stats.fetch.count, stats.fetch.total, stats.consumer_wait.total),
@@ -475,7 +523,7 @@ class Loader(Closing, AsyncClosing):
 
             return call_with_shard_info(info, start_with_storage)
 
-        return Pass(config, source, decoder, self._blocks, stats, storage, in_context,
+        return Pass(config, source, decoder, blocks, stats, storage, in_context,
                     side_tasks)
 
     def _decoder(self, epoch: int) -> Decoder:
@@ -484,17 +532,17 @@ class Loader(Closing, AsyncClosing):
         if not self.num_workers or self._nothing_to_decode():
             return InlineDecoder(self._spec)
         base_seed = int(
-            np.random.SeedSequence([self.seed, epoch], spawn_key=(Spawn.WORKER_SEEDS,))
+            np.random.SeedSequence([self.config.seed, epoch], spawn_key=(Spawn.WORKER_SEEDS,))
             .generate_state(1)[0]
         )
 
         def get_pool() -> DecodePool:
-            if self.persistent_workers:
+            if self.config.persistent_workers:
                 return self._holder.get(self, base_seed)
-            return DecodePool(self._spec, self.num_workers, base_seed, self._worker_init)
+            return DecodePool(self._spec, self.num_workers, base_seed, self.config.worker_init)
 
-        return PoolDecoder(get_pool, not self.persistent_workers, self.decode_timeout,
-                           self.max_worker_restarts, self.on_error == "skip",
+        return PoolDecoder(get_pool, not self.config.persistent_workers, self.config.decode_timeout,
+                           self.config.max_worker_restarts, self.config.skip_errors,
                            self._worker_restarted, on_timeout=self._decode_timed_out)
 
     def _nothing_to_decode(self) -> bool:
@@ -503,16 +551,16 @@ class Loader(Closing, AsyncClosing):
         collating them here."""
         spec = self._spec
         return (spec.passes_through and spec.collate in (None, default_collate)
-                and self._worker_init is None)
+                and self.config.worker_init is None)
 
     def _use_concurrency(self, limit: int) -> None:
-        self.concurrency = self.stats.concurrency = limit
+        self.concurrency = self._stats.concurrency = limit
 
     def _decode_timed_out(self) -> None:
-        self.stats.decode_timeouts += 1
+        self._stats.decode_timeouts += 1
 
     def _worker_restarted(self, message: str) -> None:
-        self.stats.worker_restarts += 1
+        self._stats.worker_restarts += 1
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def _pass_over(self, running: Pass) -> None:
@@ -538,9 +586,16 @@ class Loader(Closing, AsyncClosing):
         self._pass_over(running)
 
     def __aiter__(self) -> AsyncIterator[Any]:
+        if self.config.service is not None:
+            return _AsyncServicePass(self)
         return _AsyncPass(self)
 
     def __iter__(self) -> Iterator[Any]:
+        if self.config.service is not None:
+            return self._iter_service()
+        return self._iter_here()
+
+    def _iter_here(self) -> Iterator[Any]:
         loop = LoopThread()
         try:
             running = loop.call(self._open_pass())
@@ -552,6 +607,66 @@ class Loader(Closing, AsyncClosing):
                     loop.call(self._close_pass(running))
         finally:
             loop.stop()
+
+    # -- passes in a loader service ------------------------------------------------------------
+
+    def _iter_service(self) -> Iterator[Any]:
+        client = self._open_service_pass()
+        finished = False
+        try:
+            while True:
+                asked = now()
+                got = client.next()
+                if got is None:
+                    finished = True
+                    return
+                yield self._served(got, asked)
+        finally:
+            self._service_pass_over(client, finished)
+
+    def _open_service_pass(self) -> ServiceClient:
+        """Start a pass in the service (started now if need be), where the loader stands."""
+        self._holder.check_process()
+        with self._lock:
+            if self._closed:
+                raise LoaderError("this Loader is closed; build a new one")
+            self._refuse_a_second_pass()
+            self._serving = True
+        try:
+            client = self._service.get(self)
+            start = self._resume_at or 0
+            if self._resume_at is None:
+                self._remaining = None
+            client.open(self._epoch, start, self._remaining)
+            self._position, self._resume_at = start, None
+        except BaseException:
+            with self._lock:
+                self._serving = False
+            raise
+        return client
+
+    def _served(self, got: tuple[Any, int], asked: float) -> Any:
+        """Book a batch handed over: the position after it, the wait for it."""
+        item, self._position = got
+        stats, arrived = self._stats, now()
+        stats.batches += 1
+        stats.consumer_wait.add(arrived - asked)
+        stats.event("consumer", asked, arrived, "wait")
+        return item
+
+    def _service_pass_over(self, client: ServiceClient, finished: bool, wait: bool = True
+                           ) -> None:
+        """The pass ended, was broken off or failed: the service drops what it made ahead."""
+        try:
+            if not finished and client.pass_open and not client.closed:
+                with contextlib.suppress(LoaderError):
+                    client.stop(wait)
+        finally:
+            with self._lock:
+                self._serving = False
+                if finished:
+                    self._epoch, self._position, self._remaining = self._epoch + 1, 0, None
+                self._pass_ended.notify_all()
 
     def timeline(self, path: str | Path) -> Path:
         """Draw what the loader did (the most recent events) as a PNG at `path`; needs
@@ -638,10 +753,51 @@ class _AsyncPass:
             self._loader._abandon_pass(self._pass)
 
 
-def _shut_down(holder: _PoolHolder, blocks: BlockPool | None) -> None:
+class _AsyncServicePass:
+    """`async for` over a Loader whose passes run in a loader service: the caller's loop
+    awaits the service's socket."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._client: ServiceClient | None = None
+        self._done = False
+
+    def __aiter__(self) -> _AsyncServicePass:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._done:
+            raise StopAsyncIteration
+        if self._client is None:  # may start the service: off the loop
+            self._client = await off_loop(self._loader._open_service_pass)
+        asked = now()
+        try:
+            got = await self._client.next_async()
+        except BaseException:
+            await self.aclose()
+            raise
+        if got is None:
+            self._done = True
+            self._loader._service_pass_over(self._client, finished=True)
+            raise StopAsyncIteration
+        return self._loader._served(got, asked)
+
+    async def aclose(self) -> None:
+        if self._client is not None and not self._done:
+            self._done = True
+            await off_loop(self._loader._service_pass_over, self._client, False)
+
+    def __del__(self) -> None:
+        if self._client is not None and not self._done:
+            self._done = True
+            self._loader._service_pass_over(self._client, False, wait=False)
+
+
+def _shut_down(holder: _PoolHolder, blocks: BlockPool | None, service: _ServiceHolder) -> None:
     """Processes first: none may create a block after the blocks are removed. In a forked
     child (its `sys.exit` runs this finalizer too) the processes and blocks are the parent's:
     only the child's copies are let go of."""
+    service.close()
     holder.close()
     if blocks is not None:
         blocks.close()
@@ -671,7 +827,7 @@ class _PoolHolder(ProcessBound):
         with self._lock:
             if self._pool is None:
                 self._pool = DecodePool(
-                    loader._spec, loader.num_workers, base_seed, loader._worker_init
+                    loader._spec, loader.num_workers, base_seed, loader.config.worker_init
                 )
             return self._pool
 
@@ -685,11 +841,49 @@ class _PoolHolder(ProcessBound):
             pool.close()
 
 
-def _check_count(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+class _ServiceHolder:
+    """A Loader's loader service, started on first use and kept until close; kept apart from
+    the Loader so a finalizer can close it."""
+
+    def __init__(self) -> None:
+        self.code = b""
+        """The configuration, pickled when the Loader was built."""
+        self._client: ServiceClient | None = None
+        self._last: bytes | None = None
+        self._lock = threading.Lock()
+
+    def get(self, loader: Loader) -> ServiceClient:
+        with self._lock:
+            if self._client is None:
+                self._client = ServiceClient(self.code, loader._packages,
+                                             loader.config.stall_timeout)
+            return self._client
+
+    def stats(self, here: LoaderStats) -> LoaderStats:
+        """The service's stats (asked for while a pass runs, else as the last pass left them),
+        with the batches handed over and the waits measured here."""
+        client = self._client
+        if client is not None:
+            if client.pass_open and not client.closed:
+                with contextlib.suppress(LoaderError):
+                    self._last = client.stats()
+            self._last = client.last_stats or self._last
+        if self._last is None:
+            return here
+        merged = load_stats(self._last)
+        merged.batches, merged.consumer_wait = here.batches, here.consumer_wait
+        merged.events = deque(
+            sorted([e for e in merged.events if e.row != "consumer"] + list(here.events),
+                   key=lambda event: event.start),
+            maxlen=merged.events.maxlen)
+        return merged
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            self._last = client.last_stats or self._last
+            client.close()
 
 
 def _check_state(state: Any) -> tuple[int, int]:
@@ -702,12 +896,3 @@ def _check_state(state: Any) -> tuple[int, int]:
             raise ValueError(f"the state's {key!r} must be an integer >= 0, got {value!r} "
                              f"(in {state!r})")
     return int(state["epoch"]), int(state["position"])
-
-
-def _check_seconds(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-        0 < value < math.inf
-    ):
-        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

@@ -6,6 +6,7 @@ is going on.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections import deque
@@ -206,6 +207,25 @@ class LoaderStats:
             lines.append("cache: " + ", ".join(f"{k} {v:g}" for k, v in self.cache.items()))
         lines.append(f"verdict: {self.verdict()}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A report read once: what a snapshot of the stats carries instead of a live one."""
+
+    value: dict[str, float]
+
+    def __call__(self) -> dict[str, float]:
+        return self.value
+
+
+def snapshot(stats: LoaderStats) -> LoaderStats:
+    """A copy that can be pickled and sent (by a loader service): the live reports of the
+    caches and of a mixture replaced by what they say now."""
+    frozen = copy.copy(stats)
+    frozen.cache_reports = [Fixed(stats.cache)] if stats.cache_reports else []
+    frozen.source_shares = None if stats.source_shares is None else Fixed(stats.sources)
+    return frozen
 
 
 def now() -> float:

@@ -73,11 +73,12 @@ def segments():
 
 def decode_processes():
     return sorted(p.pid for z in psutil.Process().children()
-                  if "zygote_main" in " ".join(z.cmdline()) for p in z.children())
+                  if "zygote_main" in " ".join(z.cmdline()) for p in z.children()
+                  if p.name() == "aioloader-dec")
 
 loader = aioloader.Loader(aioloader.Files({paths!r}), decode=decode, batch_size=4,
                           shuffle=True, seed=7, persistent_workers=True,
-                          max_worker_restarts=0, stall_timeout=20)
+                          max_worker_restarts=0, stall_timeout=20, service={service!r})
 mode = {mode!r}
 
 def fork_here():
@@ -124,7 +125,11 @@ loader.close()
 
 def run_fork_script(local_paths: list[str], mode: str) -> dict[str, Any]:
     """What the script printed, and under "stderr" what it wrote there."""
-    result = run_script(FORK_SCRIPT.format(tests=str(TESTS), paths=local_paths, mode=mode))
+    # the lock a thread of the loader may hold is the in-process pass's: the service's client
+    # holds none across the fork
+    service = None if mode == "mid-epoch, lock held" else "process"
+    result = run_script(FORK_SCRIPT.format(tests=str(TESTS), paths=local_paths, mode=mode,
+                                           service=service))
     report: dict[str, Any] = {"stderr": result.stderr[-3000:]}
     for line in result.stdout.splitlines():
         report.update(json.loads(line))

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 import aioloader
@@ -215,6 +216,15 @@ async def test_async_break_mid_epoch_leaves_no_processes(urls: list[str]) -> Non
     async for n, _ in _aenumerate(loader):
         if n == 2:
             break
+    decode_left = []
+    for _ in range(100):  # the loader service lives until close; its decode processes do not
+        decode_left = [p for p in psutil.Process().children(recursive=True)
+                       if p.name() == "aioloader-dec"]
+        if not decode_left:
+            break
+        await asyncio.sleep(0.05)
+    assert not decode_left
+    loader.close()
     for _ in range(100):
         gc.collect()
         await asyncio.sleep(0.05)

@@ -38,10 +38,11 @@ TESTS = Path(__file__).resolve().parent
 
 
 def decode_processes() -> list[psutil.Process]:
-    """This interpreter's decode processes: the children of its zygote."""
+    """This interpreter's decode processes: the children of its zygote named so (its other
+    children are loader services)."""
     zygotes = [p for p in psutil.Process().children()
                if "aioloader._runtime.zygote_main" in " ".join(p.cmdline())]
-    return [p for zygote in zygotes for p in zygote.children()]
+    return [p for zygote in zygotes for p in zygote.children() if p.name() == "aioloader-dec"]
 
 
 def wait_until(condition: object, seconds: float) -> bool:

@@ -44,9 +44,12 @@ def test_large_batches_come_through_shared_memory_unchanged(urls: list[str]) -> 
     assert batches[0][3].sum() == 3 * 64 * 64 * 3
 
 
-def test_kept_batches_never_change_while_blocks_are_reused(urls: list[str]) -> None:
+@pytest.mark.parametrize("service", [None, "process"])
+def test_kept_batches_never_change_while_blocks_are_reused(
+    urls: list[str], service: str | None
+) -> None:
     loader = aioloader.Loader(aioloader.Files(urls), decode=big_image, batch_size=4,
-                              prefetch=1, concurrency=4)
+                              prefetch=1, concurrency=4, service=service)
     kept_all, kept_one = [], None
     with loader:
         for epoch in range(2):
@@ -56,8 +59,9 @@ def test_kept_batches_never_change_while_blocks_are_reused(urls: list[str]) -> N
                 else:
                     kept_one = batch  # holds one at a time: blocks are reused
         assert loader.stats.transport["pickled"] > 0 and loader.stats.transport["shared"] > 0
-        assert loader._blocks is not None
-        assert loader._blocks.segments <= loader._blocks.max_blocks
+        if service is None:
+            assert loader._blocks is not None
+            assert loader._blocks.segments <= loader._blocks.max_blocks
     indices = [int(i) for batch in kept_all for i in batch[:, 0, 0, 0]]
     assert indices == list(range(SAMPLE_COUNT))
     assert kept_one is not None and int(kept_one[-1, 0, 0, 0]) == SAMPLE_COUNT - 1

@@ -20,7 +20,7 @@ from .._errors import DecodeTimeoutError, LoaderError, RemoteTraceback, WorkerDi
 from .._stats import now
 from .blocking import off_loop
 from .channel import dumps
-from .decode import DecodeSpec, run_chunk
+from .decode import DecodeSpec, respond, run_chunk
 from .messages import Chunk, ChunkResult, Done, InitFailed, Ready, Task
 from .pool import LOST, DecodePool, DecodeProcess
 from .tasks import TaskSet
@@ -60,13 +60,16 @@ class _HoldsNothing:
 
 
 class InlineDecoder(_HoldsNothing):
-    """num_workers=0: decode in the event loop's thread, for debugging with pdb."""
+    """Decode in the event loop's thread: num_workers=0 (for debugging with pdb), or nothing
+    to decode. With a block lent (a loader service), the batch is collated into it, for the
+    training process to map."""
 
     def __init__(self, spec: DecodeSpec) -> None:
         self._spec = spec
 
     async def decode(self, chunk: Chunk) -> ChunkResult:
-        return run_chunk(self._spec, chunk)
+        return respond(self._spec, chunk) if chunk.slot is not None else run_chunk(
+            self._spec, chunk)
 
 
 @functools.lru_cache(maxsize=4)

@@ -7,9 +7,11 @@ way per batch, whatever the batch size.
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from . import transport
 
@@ -69,10 +71,34 @@ class ChunkResult:
 
 
 @dataclass(frozen=True)
+class Environment:
+    """The main process's import path, arguments, working directory, environment variables and
+    warning filters, taken on by the processes it starts, so code behaves as it would there."""
+
+    sys_path: list[str]
+    argv: list[str]
+    cwd: str
+    environ: dict[str, str]
+    warning_filters: list[Any]
+
+    @classmethod
+    def here(cls) -> Environment:
+        return cls(list(sys.path), list(sys.argv), os.getcwd(), dict(os.environ),
+                   list(warnings.filters))
+
+    def take_on(self) -> None:
+        sys.path[:] = self.sys_path
+        sys.argv[:] = self.argv
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        warnings.resetwarnings()
+        cast(list[Any], warnings.filters).extend(self.warning_filters)
+
+
+@dataclass(frozen=True)
 class Init:
-    """The first message a decode process gets: who it is, the spec, and the main process's
-    import path, arguments, working directory, environment and warning filters, so code
-    behaves as it would there."""
+    """The first message a decode process gets: who it is, the spec, and where it runs."""
 
     code: bytes
     """The spec and worker_init, pickled together: functions of `__main__` share one copy of
@@ -80,11 +106,7 @@ class Init:
     worker_id: int
     num_workers: int
     seed: int
-    sys_path: list[str]
-    argv: list[str]
-    cwd: str
-    environ: dict[str, str]
-    warning_filters: list[Any]
+    environment: Environment
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from .._closing import ProcessBound
 from .._errors import LoaderError
 from .channel import Channel, dumps
 from .decode import DecodeSpec
-from .messages import STOP, Imported, Init, Ready
+from .messages import STOP, Environment, Imported, Init, Ready
 from .zygote import Zygote
 
 STOP_GRACE_SECONDS = 2.0
@@ -142,8 +141,7 @@ class DecodePool(ProcessBound):
         self.num_workers = num_workers
         self._init = Init(
             code=dumps((spec, worker_init)), worker_id=0, num_workers=num_workers,
-            seed=base_seed, sys_path=list(sys.path), argv=list(sys.argv), cwd=os.getcwd(),
-            environ=dict(os.environ), warning_filters=list(warnings.filters),
+            seed=base_seed, environment=Environment.here(),
         )
         self._lock = threading.Lock()
         self._listener: tuple[asyncio.AbstractEventLoop, Listener] | None = None

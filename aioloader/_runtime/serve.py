@@ -10,8 +10,6 @@ import signal
 import socket
 import sys
 import traceback
-import warnings
-from typing import Any, cast
 
 import numpy as np
 
@@ -22,13 +20,7 @@ from .preload import installed_packages
 
 
 def _start(init: Init) -> DecodeSpec:
-    sys.path[:] = init.sys_path
-    sys.argv[:] = init.argv
-    os.environ.clear()
-    os.environ.update(init.environ)
-    os.chdir(init.cwd)
-    warnings.resetwarnings()
-    cast(list[Any], warnings.filters).extend(init.warning_filters)
+    init.environment.take_on()
     seed = init.seed + init.worker_id
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -17,7 +17,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -181,6 +181,29 @@ class BlockAllocator:
         return map_arrays(value, lambda a: self._places[id(a)][1] if id(a) in self._places else a)
 
 
+@dataclass
+class Exported:
+    """One item of a result whose arrays lie in a shared block (SharedArray places in
+    `value`), on its way to the process that maps it."""
+
+    name: str
+    value: Any
+
+
+def views(block: mmap.mmap, value: Any, on_free: Callable[[], Any]) -> Any:
+    """`value` with each SharedArray replaced by a view of `block`; `on_free` runs once no
+    view is left."""
+    owner = np.frombuffer(block, np.uint8)
+    weakref.finalize(owner, on_free)
+
+    def view(place: SharedArray) -> npt.NDArray[Any]:
+        dtype = np.dtype(place.dtype)
+        size = int(np.prod(place.shape)) * dtype.itemsize
+        return owner[place.offset : place.offset + size].view(dtype).reshape(place.shape)
+
+    return map_arrays(value, view, SharedArray)
+
+
 # -- main process side --------------------------------------------------------------------------
 
 
@@ -196,8 +219,10 @@ class BlockPool(ProcessBound):
     may have held at the fork).
     """
 
-    def __init__(self, max_blocks: int, max_bytes: int) -> None:
+    def __init__(self, max_blocks: int, max_bytes: int, export: bool = False) -> None:
         super().__init__()
+        self.export = export
+        """Results go to another process (a loader service's client), not into views here."""
         self.max_blocks = max_blocks
         self.max_bytes = max_bytes
         """Bytes of blocks kept, at most (one block may pass it): /dev/shm is memory too."""
@@ -205,6 +230,8 @@ class BlockPool(ProcessBound):
         self._sizes: dict[str, int] = {}
         """Every name lent or free; size 0 while a decode process may still be creating it."""
         self._free: list[str] = []
+        self._holds: dict[str, int] = {}
+        """Holds on blocks with more than one (exported parts here and in a client)."""
         self._max_idle = max_bytes
         self._late: set[str] = set()
         """Names lent to processes that were killed: unlinked now and again at close, in case
@@ -237,6 +264,10 @@ class BlockPool(ProcessBound):
         with self._lock:
             if name not in self._sizes:
                 return
+            holds = self._holds.pop(name, 1) - 1
+            if holds > 0:
+                self._holds[name] = holds
+                return
             idle_after = self.idle_bytes + self._sizes[name]
             if self._closed or self.bytes > self.max_bytes or idle_after > self._max_idle:
                 self._remove(name)
@@ -258,23 +289,32 @@ class BlockPool(ProcessBound):
             self._remove(name)
             self._late.add(name)
 
-    def adopt(self, value: Any, slot: Slot) -> Any:
-        """`value` with each SharedArray replaced by a view of the block; the block returns
-        to the pool once every view is gone."""
+    def adopt(self, items: list[Any], slot: Slot) -> list[Any]:
+        """A result's items with each SharedArray replaced by a view of the block; the block
+        returns to the pool once every view is gone. Exporting, each item becomes an
+        `Exported` part instead, which the process it is sent to maps (`views`)."""
         with self._lock:
             block = self._maps.get(slot.name)
             if block is None:  # made by the decode process just now
                 block = self._maps[slot.name] = shm.attach(slot.name)
                 self._sizes[slot.name] = len(block)
-        owner = np.frombuffer(block, np.uint8)
-        weakref.finalize(owner, self.release, slot.name)
+            if self.export and items:
+                self._holds[slot.name] = len(items)
+        if self.export:
+            if not items:
+                self.release(slot.name)
+            parts = [Exported(slot.name, item) for item in items]
+            for part in parts:
+                weakref.finalize(part, self.release, slot.name)
+            return parts
+        return cast(list[Any], views(block, items, lambda: self.release(slot.name)))
 
-        def view(place: SharedArray) -> npt.NDArray[Any]:
-            dtype = np.dtype(place.dtype)
-            size = int(np.prod(place.shape)) * dtype.itemsize
-            return owner[place.offset : place.offset + size].view(dtype).reshape(place.shape)
-
-        return map_arrays(value, view, SharedArray)
+    def hold(self, name: str) -> None:
+        """One more hold on a block (an exported part sent to another process), dropped by
+        `release`; the block is free once the last is."""
+        with self._lock:
+            if name in self._sizes:
+                self._holds[name] = self._holds.get(name, 1) + 1
 
     def keep_idle(self, idle_bytes: int) -> None:
         """Keep at most `idle_bytes` of idle blocks from now on (the pass's room under its
@@ -290,6 +330,7 @@ class BlockPool(ProcessBound):
         """Unlink a block; its memory goes when the last view of it does."""
         self._maps.pop(name, None)
         self._sizes.pop(name, None)
+        self._holds.pop(name, None)
         if name in self._free:
             self._free.remove(name)
         shm.unlink(name)

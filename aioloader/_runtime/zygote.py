@@ -47,11 +47,25 @@ class Zygote(ProcessBound):
                 cls._instance = cls()
             return cls._instance
 
-    def __init__(self) -> None:
+    @classmethod
+    def adopt(cls, sock: socket.socket, pid: int) -> None:
+        """In a loader service: talk to the zygote that forked it, over the socket it was
+        given, so its decode processes are forked there too."""
+        with cls._instance_lock:
+            cls._instance = cls(Channel(sock), pid)
+
+    def __init__(self, channel: Channel | None = None, parent: int | None = None) -> None:
         super().__init__()
         self._lock = threading.Lock()
         self._learned: set[str] = set()
         self._numbers = itertools.count(1)
+        self._process: subprocess.Popen[bytes] | None = None
+        self._parent = parent
+        """The zygote's pid when it is this process's parent (in a loader service)."""
+        if channel is not None:
+            self._channel = channel
+            channel.socket.settimeout(REPLY_TIMEOUT)
+            return
         ours, theirs = socket.socketpair()
         package_parent = str(Path(__file__).resolve().parents[2])
         environment = dict(os.environ)
@@ -79,10 +93,14 @@ class Zygote(ProcessBound):
 
     @property
     def pid(self) -> int:
-        return self._process.pid
+        return self._process.pid if self._process is not None else self._parent or 0
 
     def alive(self) -> bool:
-        return not self.foreign and self._process.poll() is None
+        if self.foreign:
+            return False
+        if self._process is not None:
+            return self._process.poll() is None
+        return os.getppid() == self._parent
 
     def _request(self, kind: str, argument: Any, fds: Sequence[int] = ()) -> Any:
         """Send a request and wait for its own reply; replies to earlier requests that timed
@@ -112,6 +130,12 @@ class Zygote(ProcessBound):
         with self._lock:
             preload, self._learned = sorted(self._learned), set()
         pid: int = self._request("spawn", preload, [channel.fileno()])
+        return pid
+
+    def spawn_service(self, channel: socket.socket, packages: list[str]) -> int:
+        """Fork a loader service that serves `channel`, after importing `packages`; its pid.
+        It dies with the zygote, which is this process's."""
+        pid: int = self._request("service", packages, [channel.fileno()])
         return pid
 
     def preload(self, packages: list[str]) -> None:

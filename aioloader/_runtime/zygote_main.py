@@ -10,9 +10,11 @@ were seen to use (`preload`).
 Requests come on the control socket in `channel.py`'s framing, one at a time: `(number, kind,
 argument)`, answered by `(number, answer)`, so the parent can drop a reply that comes after its
 request timed out. Kinds: `spawn` (fork a decode process serving the descriptor sent with the
-request, after preloading the packages named; answer: its pid), `preload`, `status` (a decode
-process's exit status, None while it runs), `watch` / `unwatch` (a named cache the parent is a
-member of).
+request, after preloading the packages named; answer: its pid), `service` (fork a loader
+service the same way, with a control socket of its own to the zygote), `preload`, `status` (a
+child's exit status, None while it runs), `watch` / `unwatch` (a named cache the client is a
+member of). Each loader service is a client like the parent: its decode processes, segments and
+caches are cleaned up when it ends.
 
 It watches its parent: when the control socket closes or the parent's pid is no longer its
 parent (checked every POLL_SECONDS), even after a SIGKILL, it kills the decode processes, which
@@ -30,6 +32,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._cache import remove_if_unused
@@ -42,87 +46,150 @@ POLL_SECONDS = 0.25
 """How often the zygote checks that its parent is alive and reaps its children."""
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent (the zygote) dies."""
+DECODE_NAME = b"aioloader-dec"
+SERVICE_NAME = b"aioloader-svc"
+"""What `ps -o comm` and `top` show for a decode process and a loader service."""
+
+
+def die_with_parent(name: bytes) -> None:
+    """Ask the kernel to SIGKILL this process when its parent (the zygote) dies; name it."""
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+
+
+@dataclass
+class _Client:
+    """A process the zygote works for: the training process that started it, or a loader
+    service it forked, which asks for decode processes of its own."""
+
+    channel: Channel
+    pid: int
+    children: set[int] = field(default_factory=set)
+    """The processes forked at its request (a loader service is its client's child)."""
+    caches: set[str] = field(default_factory=set)
 
 
 class _Server:
     def __init__(self, control: Channel, parent: int) -> None:
-        self.control = control
-        self.parent = parent
-        self.children: set[int] = set()
+        self.parent = _Client(control, parent)
+        self.clients = {control.socket.fileno(): self.parent}
         self.statuses: dict[int, int] = {}
-        self.caches: set[str] = set()
 
     def serve(self) -> None:
-        self.control.send("ready")
+        self.parent.channel.send("ready")
         try:
-            while os.getppid() == self.parent:
-                readable, _, _ = select.select([self.control.socket], [], [], POLL_SECONDS)
+            while os.getppid() == self.parent.pid:
+                sockets = [client.channel.socket for client in self.clients.values()]
+                readable, _, _ = select.select(sockets, [], [], POLL_SECONDS)
                 self.reap()
-                if readable:
-                    (number, kind, argument), fds = self.control.receive_with_fds()
-                    self.control.send((number, self.answer(kind, argument, fds)))
+                for sock in readable:
+                    self.handle(self.clients[sock.fileno()])
         except (EOFError, OSError):
             pass  # the parent closed its end: it exited or died
         finally:
             self.clean_up()
 
-    def answer(self, kind: str, argument: Any, fds: list[int]) -> Any:
+    def handle(self, client: _Client) -> None:
+        """Answer one request; a loader service whose end closed is cleaned up after."""
+        try:
+            (number, kind, argument), fds = client.channel.receive_with_fds()
+            client.channel.send((number, self.answer(client, kind, argument, fds)))
+        except (EOFError, OSError):
+            if client is self.parent:
+                raise
+            self.drop(client)
+
+    def answer(self, client: _Client, kind: str, argument: Any, fds: list[int]) -> Any:
         if kind == "spawn":
             preload(argument)
-            return self.fork(fds[0])
+            return self.fork(client, fds[0], serve)
+        if kind == "service":
+            preload(argument)
+            return self.fork_service(client, fds[0])
         if kind == "preload":
             preload(argument)
             return "ok"
         if kind == "status":
             self.reap()
             return self.statuses.get(argument)
-        (self.caches.add if kind == "watch" else self.caches.discard)(argument)
+        (client.caches.add if kind == "watch" else client.caches.discard)(argument)
         return "ok"
 
-    def fork(self, channel: int) -> int:
+    def fork(self, client: _Client, channel: int, run: Callable[[int], int],
+             keep: socket.socket | None = None, name: bytes = DECODE_NAME) -> int:
+        """A child named `name` that runs `run(channel)` and dies with the zygote; `keep` is
+        the one other socket it keeps."""
         zygote = os.getpid()
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                self.control.close()
-                die_with_parent()
+                for other in self.clients.values():
+                    other.channel.close()
+                die_with_parent(name)
                 if os.getppid() != zygote:  # the zygote died before the request took effect
                     os._exit(1)
-                code = serve(channel)
+                code = run(channel)
             finally:
                 os._exit(code)
         os.close(channel)
-        self.children.add(pid)
+        if keep is not None:
+            keep.close()
+        client.children.add(pid)
+        return pid
+
+    def fork_service(self, client: _Client, channel: int) -> int:
+        """A loader service for `client`, with a control socket of its own to this zygote
+        (decode processes of its own, cleaned up when it ends)."""
+        from .._service import run as run_service
+
+        ours, theirs = socket.socketpair()
+        zygote = os.getpid()
+
+        def run(descriptor: int) -> int:
+            ours.close()
+            return run_service(descriptor, theirs.detach(), zygote)
+
+        pid = self.fork(client, channel, run, keep=theirs, name=SERVICE_NAME)
+        self.clients[ours.fileno()] = _Client(Channel(ours), pid)
         return pid
 
     def reap(self) -> None:
-        for pid in list(self.children):
-            with contextlib.suppress(ChildProcessError):
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    self.children.discard(pid)
-                    self.statuses[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else (
-                        os.WEXITSTATUS(status))
+        for client in self.clients.values():
+            for pid in list(client.children):
+                with contextlib.suppress(ChildProcessError):
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        client.children.discard(pid)
+                        self.statuses[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(
+                            status) else os.WEXITSTATUS(status)
+
+    def drop(self, client: _Client) -> None:
+        """A loader service ended: its decode processes, segments and caches go too."""
+        self.stop([client])  # reaped while still a client
+        del self.clients[client.channel.socket.fileno()]
+        client.channel.close()
 
     def clean_up(self) -> None:
-        """Decode processes first (none may create a segment after the sweep), then the
-        parent's shared memory, if the parent is gone."""
-        for pid in self.children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        self.stop(list(self.clients.values()))
+
+    def stop(self, clients: list[_Client]) -> None:
+        """Processes first (none may create a segment after the sweep), then the shared
+        memory and caches the clients' processes named with their pids."""
+        for client in clients:
+            for pid in client.children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while self.children and time.monotonic() < deadline:
+        while any(client.children for client in clients) and time.monotonic() < deadline:
             self.reap()
             time.sleep(0.01)
-        remove_leftovers(self.parent)
-        for name in self.caches:
-            remove_if_unused(name)
+        for client in clients:
+            remove_leftovers(client.pid)
+            for name in client.caches:
+                remove_if_unused(name)
 
 
 def _exit_on_term(signum: int, frame: object) -> None:

@@ -1,0 +1,271 @@
+"""The training process's side of a loader service: a thin client on a socket.
+
+The service (`aioloader._service`) runs the passes: reads, decode processes, hand-over. Here,
+`next()` waits on the socket with the GIL released, and maps the batch's shared-memory block:
+the arrays the trainer gets are views of the block the decode process wrote, never copied. When
+the trainer drops the last of them, the block's name goes back with the next message.
+
+Protocol (`channel.py`'s framing). Client to service: `("open", epoch, start, remaining,
+ahead, environment)` (each pass's decode processes see the trainer as it is when it starts),
+`("take", released)` (one batch more may be sent), `("stop", released)` (end the pass early),
+`("stats", released)`. Service to client: `("batch", item, position)`, `("end", stats)`,
+`("error", error, cause, stats)`, `("stopped", stats)`, `("stats", stats)`, `("warning",
+category, message)`. `stats` are a pickled snapshot; `position` is where the pass stands once
+the batch is handed over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._closing import ProcessBound
+from .._errors import LoaderError, RemoteTraceback
+from .._stats import LoaderStats
+from . import shm
+from .channel import Channel
+from .messages import Environment
+from .transport import Exported, views
+from .zygote import START_TIMEOUT, Zygote
+
+AHEAD = 2
+"""Batches the service may send before the trainer takes them: one to train on, one ready."""
+STOP_SECONDS = 5.0
+"""How long closing waits for the service to end before it is killed."""
+EXTRA_SECONDS = 60.0
+"""Beyond `stall_timeout` (the service's own watchdog), how long to wait for a message."""
+
+
+@dataclass(frozen=True)
+class ServiceInit:
+    """The first message a loader service gets: the configuration, pickled, and where the
+    training process runs (its import path, environment, working directory)."""
+
+    code: bytes
+    environment: Environment
+
+
+class ServiceClient(ProcessBound):
+    """A loader service started for this process, and the pass it runs for it."""
+
+    def __init__(self, code: bytes, packages: list[str], stall_timeout: float) -> None:
+        super().__init__()
+        ours, theirs = socket.socketpair()
+        try:
+            with theirs:
+                self.pid = Zygote.get().spawn_service(theirs, packages)
+        except BaseException:
+            ours.close()
+            raise
+        self._channel = Channel(ours)
+        self._timeout = stall_timeout + EXTRA_SECONDS
+        self._stream: deque[tuple[Any, ...]] = deque()
+        """Messages of the pass stream (batches, its end), in order."""
+        self._replies: deque[bytes] = deque()
+        """Stats snapshots asked for."""
+        self._released: deque[str] = deque()
+        """Blocks whose last view died here, not yet told to the service."""
+        self._receiving = threading.Lock()
+        self._sending = threading.Lock()
+        self._arrived = threading.Condition()
+        self._discarding = False
+        """A pass was stopped: its messages up to "stopped" are dropped."""
+        self.closed = False
+        self.pass_open = False
+        """A pass was opened and has not ended, failed or been stopped."""
+        self.last_stats: bytes | None = None
+        ours.settimeout(START_TIMEOUT)
+        try:
+            self._channel.send(ServiceInit(code, Environment.here()))
+            reply = self._channel.receive()
+        except (OSError, EOFError) as e:
+            self.close()
+            raise LoaderError(f"the loader service (pid {self.pid}) did not start: {e}") from e
+        if reply[0] != "ready":
+            self.close()
+            raise LoaderError(f"the loader service could not be set up: {reply[1]}") from (
+                RemoteTraceback(reply[2]))
+        ours.settimeout(self._timeout)
+
+    # -- the pass ---------------------------------------------------------------------------
+
+    def open(self, epoch: int, start: int, remaining: tuple[tuple[int, int], ...] | None
+             ) -> None:
+        self._send(("open", epoch, start, remaining, AHEAD, Environment.here()))
+        self.pass_open = True
+
+    def next(self) -> tuple[Any, int] | None:
+        """The next batch and the position after it, or None at the end of the pass."""
+        started = time.monotonic()
+        while (message := self._pop()) is None:
+            self._wait(lambda: bool(self._stream), started)
+        return self._deliver(message)
+
+    async def next_async(self) -> tuple[Any, int] | None:
+        """`next()` for `async for`: the caller's loop waits for the socket to be readable."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        while (message := self._pop()) is None:
+            readable = loop.create_future()
+            descriptor = self._channel.socket.fileno()
+            loop.add_reader(descriptor, _resolve, readable)
+            try:
+                await asyncio.wait_for(readable, self._timeout)
+            except TimeoutError:
+                raise self._silent(started) from None
+            finally:
+                loop.remove_reader(descriptor)
+            self._receive_one(started)
+        return self._deliver(message)
+
+    def stop(self, wait: bool = True) -> None:
+        """End the pass before its end: the batches already sent are dropped (their blocks
+        released). `wait`: until the service has closed the pass."""
+        self._discarding, self.pass_open = True, False
+        self._send(("stop", self._take_released()))
+        if wait:
+            started = time.monotonic()
+            while self._discarding:
+                if self._pop() is None:
+                    self._wait(lambda: bool(self._stream) or not self._discarding, started)
+
+    def stats(self) -> bytes:
+        """A snapshot of the service's stats, pickled."""
+        started = time.monotonic()
+        self._send(("stats", self._take_released()))
+        self._wait(lambda: bool(self._replies), started)
+        return self._replies.popleft()
+
+    def _pop(self) -> tuple[Any, ...] | None:
+        """The next message of the current pass; those of a stopped pass are dropped."""
+        while self._stream:
+            message = self._stream.popleft()
+            if not self._discarding:
+                return message
+            if message[0] == "stopped":
+                self._discarding = False
+                self.last_stats = message[1]
+            elif message[0] == "batch" and isinstance(message[1], Exported):
+                self._released.append(message[1].name)
+        return None
+
+    def _deliver(self, message: tuple[Any, ...]) -> tuple[Any, int] | None:
+        kind = message[0]
+        if kind == "batch":
+            _, item, position = message
+            if isinstance(item, Exported):
+                name = item.name
+                item = views(shm.attach(name), item.value, lambda: self._released.append(name))
+            self._send(("take", self._take_released()))
+            return item, position
+        self.pass_open = False
+        if kind == "end":
+            self.last_stats = message[1]
+            return None
+        _, error, cause, self.last_stats = message
+        if cause:
+            error.__cause__ = RemoteTraceback(cause)
+        raise error
+
+    # -- the socket -------------------------------------------------------------------------
+
+    def _take_released(self) -> list[str]:
+        names = []
+        while self._released:
+            names.append(self._released.popleft())
+        return names
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._sending:
+                self._channel.send(message)
+        except OSError as e:
+            raise self._lost(e) from None
+
+    def _wait(self, ready: Callable[[], bool], started: float) -> None:
+        """Receive until `ready()`; another thread may be the one receiving (a pass in one,
+        `stats` in another), and hands over what it receives."""
+        while not ready():
+            if self._receiving.acquire(timeout=0.05):
+                try:
+                    if not ready():
+                        self._dispatch(started)
+                finally:
+                    self._receiving.release()
+            else:
+                with self._arrived:
+                    self._arrived.wait_for(ready, 0.05)
+            if time.monotonic() - started > self._timeout:
+                raise self._silent(started)
+
+    def _receive_one(self, started: float) -> None:
+        with self._receiving:
+            self._dispatch(started)
+
+    def _dispatch(self, started: float) -> None:
+        try:
+            message = self._channel.receive()
+        except TimeoutError:
+            raise self._silent(started) from None
+        except (OSError, EOFError) as e:
+            raise self._lost(e) from None
+        if message[0] == "warning":
+            warnings.warn(message[2], message[1], stacklevel=3)
+            return
+        (self._replies.append(message[1]) if message[0] == "stats"
+         else self._stream.append(message))
+        with self._arrived:
+            self._arrived.notify_all()
+
+    def _silent(self, started: float) -> LoaderError:
+        return LoaderError(f"the loader service (pid {self.pid}) sent nothing for "
+                           f"{time.monotonic() - started:.0f} s")
+
+    def _lost(self, error: BaseException) -> LoaderError:
+        if self.closed:
+            return LoaderError("the Loader was closed while a pass was running")
+        status = Zygote.get().exit_status(self.pid, 1.0) if not self.foreign else None
+        how = "" if status is None else (
+            f" (killed by {signal.Signals(-status).name})" if status < 0 else
+            f" (exit status {status})")
+        return LoaderError(f"lost the loader service (pid {self.pid}){how}: {error}")
+
+    def close(self) -> None:
+        """End the service: its passes, decode processes and blocks go with it (bounded).
+        In a forked child, only let go of this copy of the socket."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.foreign:
+            self._channel.close()
+            return
+        with contextlib.suppress(OSError):
+            self._channel.socket.shutdown(socket.SHUT_RDWR)
+        zygote = Zygote.get()
+        with contextlib.suppress(LoaderError):
+            if zygote.exit_status(self.pid, STOP_SECONDS) is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
+                zygote.exit_status(self.pid, STOP_SECONDS)
+        self._channel.close()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def load_stats(data: bytes) -> LoaderStats:
+    stats: LoaderStats = pickle.loads(data)
+    return stats

@@ -1,0 +1,183 @@
+"""A loader service: the process that runs a Loader's passes beside the trainer.
+
+The zygote forks it (`run`), so it starts with aioloader imported and none of the user's main
+module; the configuration arrives by value, and a Loader is built from it here. Its event loop
+reads, schedules decoding and hands batches over, in a process of its own: a training step that
+holds the GIL no longer slows it. Its decode processes come from the same zygote, over a control
+socket of its own; when the service ends or is killed, the zygote kills them and removes the
+blocks named with the service's pid. It dies with the zygote, which dies with the trainer.
+
+Batches go out as `Exported` parts (the block's name and the places of the arrays), which the
+client maps; the service holds the block until the client says the last view is gone. The
+client's side and the protocol are in `_runtime.service_client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import struct
+import traceback
+import warnings
+from typing import Any, TextIO
+
+from ._config import LoaderConfig
+from ._errors import LoaderError, RemoteTraceback
+from ._loader import Loader
+from ._loopthread import new_event_loop
+from ._runtime.channel import Channel, dumps
+from ._runtime.decode import one_line
+from ._runtime.passes import END, Pass
+from ._runtime.service_client import ServiceInit
+from ._runtime.transport import Exported
+from ._runtime.zygote import Zygote
+from ._stats import snapshot
+
+_LENGTH = struct.Struct("!Q")
+
+
+def run(descriptor: int, zygote_descriptor: int, zygote_pid: int) -> int:
+    """The service's life, in a process the zygote forked: take on the trainer's settings,
+    then serve its passes until it closes its end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    Zygote.adopt(socket.socket(fileno=zygote_descriptor), zygote_pid)
+    sock = socket.socket(fileno=descriptor)
+    channel = Channel(sock)
+    try:
+        init: ServiceInit = channel.receive()
+        init.environment.take_on()
+        config: LoaderConfig = pickle.loads(init.code)
+        loader = Loader._in_service(config)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            channel.send(("failed", one_line(e), traceback.format_exc()))
+        return 1
+    channel.send(("ready", os.getpid()))
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(_Service(loader).serve(sock))
+    finally:
+        loader.close()
+        loop.close()
+    return 0
+
+
+class _Service:
+    """One client's passes, one at a time, over a Loader built in this process."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._writer: asyncio.StreamWriter | None = None
+        self._credits = asyncio.Semaphore(0)
+        self._pass: asyncio.Task[None] | None = None
+
+    async def serve(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        warnings.showwarning = self._warn
+        try:
+            while True:
+                head = await reader.readexactly(_LENGTH.size)
+                message = pickle.loads(await reader.readexactly(_LENGTH.unpack(head)[0]))
+                await self._answer(message)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the trainer closed its end, or died
+        finally:
+            await self._stop()
+            self._writer.close()
+
+    async def _answer(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "open":
+            _, epoch, start, remaining, ahead, environment = message
+            await self._stop()
+            environment.take_on()
+            self._credits = asyncio.Semaphore(ahead)
+            self._pass = asyncio.get_running_loop().create_task(
+                self._run_pass(epoch, start, remaining))
+            return
+        self._release(message[1])
+        if kind == "take":
+            self._credits.release()
+        elif kind == "stop":
+            await self._stop()
+            self._send(("stopped", self._stats()))
+        elif kind == "stats":
+            self._send(("stats", self._stats()))
+
+    async def _run_pass(self, epoch: int, start: int, remaining: Any) -> None:
+        loader = self._loader
+        loader._epoch, loader._resume_at, loader._remaining = epoch, start, remaining
+        running = await self._open_or_report()
+        if running is None:
+            return
+        try:
+            while True:
+                await self._credits.acquire()
+                try:
+                    item = await running.next()
+                except Exception as e:
+                    self._send(("error", *_portable(e), self._stats()))
+                    return
+                if item is END:
+                    self._send(("end", self._stats()))
+                    return
+                if isinstance(item, Exported) and loader._blocks is not None:
+                    loader._blocks.hold(item.name)  # the client's, until it releases it
+                self._send(("batch", item, running.position))
+                del item
+                assert self._writer is not None
+                await self._writer.drain()
+        finally:
+            await loader._close_pass(running)
+
+    async def _open_or_report(self) -> Pass | None:
+        try:
+            return await self._loader._open_pass()
+        except Exception as e:
+            self._send(("error", *_portable(e), self._stats()))
+            return None
+
+    async def _stop(self) -> None:
+        """End the running pass, if any: its tasks, decode work and blocks."""
+        running, self._pass = self._pass, None
+        if running is not None:
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+
+    def _warn(self, message: Warning | str, category: type[Warning], filename: str,
+              lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+        """A warning here (a decode process restarted, /dev/shm full) is the trainer's to see."""
+        self._send(("warning", category, str(message)))
+
+    def _release(self, names: list[str]) -> None:
+        blocks = self._loader._blocks
+        if blocks is not None:
+            for name in names:
+                blocks.release(name)
+
+    def _stats(self) -> bytes:
+        return pickle.dumps(snapshot(self._loader.stats), pickle.HIGHEST_PROTOCOL)
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        data = dumps(message)
+        assert self._writer is not None
+        self._writer.writelines([_LENGTH.pack(len(data)), data])
+
+
+def _portable(error: BaseException) -> tuple[BaseException, str]:
+    """An error as it can travel, and the text of its cause: a decode process's traceback,
+    or where it was raised here."""
+    cause = error.__cause__
+    text = cause.text if isinstance(cause, RemoteTraceback) else "".join(
+        traceback.format_exception(error))
+    try:
+        pickle.loads(dumps(error))
+    except Exception:
+        error = LoaderError(f"{type(error).__name__}: {error}")
+    return error, text
