@@ -307,3 +307,68 @@ def test_the_leak_check_counts_unix_sockets() -> None:
     with left, right:
         assert snapshot().unix_sockets == before.unix_sockets + 2
 
+
+
+FORK_STORM_SCRIPT = """
+import os, signal, subprocess, sys, threading, time
+sys.path.insert(0, {tests!r})
+import aioloader
+from decoders import index_of
+
+fork_exec = subprocess._fork_exec
+
+def slow_fork_exec(*args):  # widen the window in which Popen's pipe is open
+    time.sleep(0.5)
+    return fork_exec(*args)
+
+subprocess._fork_exec = slow_fork_exec
+children = []
+
+def fork_storm():
+    for _ in range(100):  # children that outlive the zygote's start, as long-lived workers do
+        time.sleep(0.01)
+        pid = os.fork()
+        if pid == 0:  # lives as long as the script does
+            parent = os.getppid()
+            while os.getppid() == parent:
+                time.sleep(0.1)
+            os._exit(0)
+        children.append(pid)
+
+storm = threading.Thread(target=fork_storm)
+storm.start()
+loader = aioloader.Loader(aioloader.Files({paths!r}), decode=index_of, batch_size=10)
+storm.join()
+signal.alarm(20)  # a hang ends the script (and the children with it) instead of the test run
+try:
+    print(sum(len(batch) for batch in loader), flush=True)
+finally:
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    loader.close()
+"""
+
+
+def test_children_forked_while_the_zygote_starts_do_not_hang_it(local_paths: list[str]) -> None:
+    """A child forked while the zygote's Popen runs would hold Popen's pipe open, and Popen,
+    with every decode process of the interpreter, would wait until the child exits."""
+    result = run_script(FORK_STORM_SCRIPT.format(tests=str(TESTS), paths=local_paths[:30]))
+    assert result.stdout.strip() == "30", result.stderr[-2000:]
+
+
+def test_private_modules_decode_processes_import_are_not_preloaded_on_their_own() -> None:
+    """`_asyncio` imported before `asyncio` (as a preload of what a decode process imported
+    would) leaves `asyncio.current_task()` None in every process forked after: aiohttp then
+    fails every read of a loader service with "Timeout context manager should be used inside a
+    task"."""
+    from aioloader._runtime.preload import installed_packages
+
+    assert installed_packages({"_asyncio", "asyncio", "_socket"}) == ["asyncio"]
+    script = ("from aioloader._runtime.preload import preload\n"
+              "preload(['_asyncio', 'asyncio'])\n"
+              "import asyncio\n"
+              "async def current():\n"
+              "    return asyncio.current_task()\n"
+              "print(asyncio.run(current()) is not None)\n")
+    assert run_script(script).stdout.strip() == "True"

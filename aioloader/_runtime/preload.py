@@ -51,7 +51,7 @@ def preload(packages: list[str]) -> None:
     """Import installed packages so forked decode processes have them; one that fails to
     import is left to the decode process, as before."""
     for name in packages:
-        if name not in sys.modules:
+        if name not in sys.modules and not name.startswith("_"):
             with contextlib.suppress(Exception):
                 importlib.import_module(name)
 
@@ -62,9 +62,12 @@ def _installation_roots() -> set[str]:
 
 
 def _installed(top: str, roots: set[str]) -> bool:
+    """Whether `top` is a public package of the installation. Private modules (`_asyncio`,
+    `_socket`) come with their package: imported on their own, first, some break it
+    (`_asyncio` imported before `asyncio` leaves `asyncio.current_task()` always None)."""
     module = sys.modules.get(top)
     where = getattr(module, "__file__", None)
-    if top.startswith("__") or where is None:
+    if top.startswith("_") or where is None:
         return False
     where = os.path.realpath(where)
     return any(where.startswith(root + os.sep) for root in roots)

@@ -72,7 +72,7 @@ class Zygote(ProcessBound):
         environment["PYTHONPATH"] = os.pathsep.join(
             p for p in (package_parent, environment.get("PYTHONPATH")) if p
         )
-        with theirs:
+        with theirs, _starting:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "aioloader._runtime.zygote_main",
                  str(theirs.fileno()), str(os.getpid())],
@@ -162,10 +162,18 @@ class Zygote(ProcessBound):
         self._request("watch" if watching else "unwatch", name)
 
 
+_starting = threading.RLock()
+"""Held while the zygote is being started: a fork elsewhere in this process (a
+multiprocessing worker, DataLoader's) waits for it. A child forked while `Popen` runs would keep
+its pipe open and hang `Popen`, and with it every decode process of this interpreter."""
+
+
 def _forget_in_child() -> None:
     """A forked copy of the parent must not talk on the parent's control socket: it lets go of
     its copy of the socket (the parent's end stays open) and starts a zygote of its own if it
     needs one."""
+    global _starting
+    _starting = threading.RLock()
     inherited = Zygote._instance
     Zygote._instance = None
     Zygote._instance_lock = threading.Lock()
@@ -173,4 +181,5 @@ def _forget_in_child() -> None:
         inherited._channel.close()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(before=lambda: _starting.acquire(), after_in_parent=lambda: _starting.release(),
+                    after_in_child=_forget_in_child)
