@@ -93,8 +93,9 @@ class _Service:
     async def _answer(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "open":
-            _, epoch, start, remaining, ahead, environment = message
+            _, epoch, start, remaining, ahead, environment, released = message
             await self._stop()
+            self._release(released)
             environment.take_on()
             self._credits = asyncio.Semaphore(ahead)
             self._pass = asyncio.get_running_loop().create_task(
@@ -165,9 +166,13 @@ class _Service:
         return pickle.dumps(snapshot(self._loader.stats), pickle.HIGHEST_PROTOCOL)
 
     def _send(self, message: tuple[Any, ...]) -> None:
-        data = dumps(message)
+        blocks = self._loader._blocks
+        removed = blocks.take_removed() if blocks is not None else []
+        messages = [("removed", removed), message] if removed else [message]
         assert self._writer is not None
-        self._writer.writelines([_LENGTH.pack(len(data)), data])
+        for each in messages:
+            data = dumps(each)
+            self._writer.writelines([_LENGTH.pack(len(data)), data])
 
 
 def _portable(error: BaseException) -> tuple[BaseException, str]:

@@ -121,7 +121,8 @@ def handover(args: argparse.Namespace, folder: Path) -> None:
         with aioloader.Loader(aioloader.Files(paths), decode=image_sized, batch_size=BATCH,
                               num_workers=2, service=service, persistent_workers=True,
                               memory_limit=2 << 30) as loader:
-            list(loader)  # warm up: processes, blocks
+            for _ in loader:  # warm up: processes, blocks
+                pass
             cpu, wall = time.process_time(), time.perf_counter()
             seen = sum(1 for _ in loader)
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall

@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 
 _LENGTH = struct.Struct("!Q")
+_READ_SIZE = 64 * 1024
 MAX_FDS = 4
 """Descriptors one message may carry."""
 
@@ -34,6 +35,7 @@ class Channel:
 
     def __init__(self, sock: socket.socket) -> None:
         self.socket = sock
+        self._buffered = b""
 
     def send(self, message: Any, fds: Sequence[int] = ()) -> None:
         self.send_bytes(dumps(message), fds)
@@ -49,9 +51,35 @@ class Channel:
         self.socket.sendall(memoryview(data)[max(0, sent - len(head)):])
 
     def receive(self) -> Any:
-        """The next message; EOFError once the other side has closed or died."""
-        (length,) = _LENGTH.unpack(self._exactly(_LENGTH.size))
-        return pickle.loads(self._exactly(length))
+        """The next message; EOFError once the other side has closed or died. A small
+        message usually comes whole in one read; what a read brings past it is kept for the
+        next (so a channel read this way is never read with `receive_with_fds`)."""
+        buffered = self._buffered
+        while len(buffered) < _LENGTH.size:
+            buffered += self._recv()
+        (length,) = _LENGTH.unpack_from(buffered)
+        end = _LENGTH.size + length
+        if len(buffered) >= end:
+            self._buffered = buffered[end:]
+            return pickle.loads(memoryview(buffered)[_LENGTH.size:end])
+        self._buffered = b""
+        body = bytearray(length)
+        have = len(buffered) - _LENGTH.size
+        body[:have] = memoryview(buffered)[_LENGTH.size:]
+        self._fill(memoryview(body)[have:])
+        return pickle.loads(body)
+
+    @property
+    def buffered(self) -> bool:
+        """Bytes of the next message were read already: `receive` needs no wait for them
+        to come (a caller waiting for the socket to be readable would wait forever)."""
+        return bool(self._buffered)
+
+    def _recv(self) -> bytes:
+        data = self.socket.recv(_READ_SIZE)
+        if not data:
+            raise EOFError("the other end of the channel closed")
+        return data
 
     def receive_with_fds(self) -> tuple[Any, list[int]]:
         """The next message and the descriptors sent with it (now this process's to close)."""
@@ -63,14 +91,16 @@ class Channel:
 
     def _exactly(self, size: int) -> bytearray:
         buffer = bytearray(size)
-        view = memoryview(buffer)
+        self._fill(memoryview(buffer))
+        return buffer
+
+    def _fill(self, view: memoryview) -> None:
         received = 0
-        while received < size:
+        while received < len(view):
             count = self.socket.recv_into(view[received:])
             if count == 0:
                 raise EOFError("the other end of the channel closed")
             received += count
-        return buffer
 
     def close(self) -> None:
         self.socket.close()

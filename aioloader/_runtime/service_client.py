@@ -6,18 +6,20 @@ the arrays the trainer gets are views of the block the decode process wrote, nev
 the trainer drops the last of them, the block's name goes back with the next message.
 
 Protocol (`channel.py`'s framing). Client to service: `("open", epoch, start, remaining,
-ahead, environment)` (each pass's decode processes see the trainer as it is when it starts),
-`("take", released)` (one batch more may be sent), `("stop", released)` (end the pass early),
-`("stats", released)`. Service to client: `("batch", item, position)`, `("end", stats)`,
-`("error", error, cause, stats)`, `("stopped", stats)`, `("stats", stats)`, `("warning",
-category, message)`. `stats` are a pickled snapshot; `position` is where the pass stands once
-the batch is handed over.
+ahead, environment, released)` (each pass's decode processes see the trainer as it is when it
+starts; blocks let go of since the last pass are free for this one), `("take", released)` (one
+batch more may be sent), `("stop", released)` (end the pass early), `("stats", released)`.
+Service to client: `("batch", item, position)`, `("end", stats)`, `("error", error, cause,
+stats)`, `("stopped", stats)`, `("stats", stats)`, `("warning", category, message)`,
+`("removed", names)` (blocks the service unlinked: stop mapping them). `stats` are a pickled
+snapshot; `position` is where the pass stands once the batch is handed over.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import pickle
 import signal
@@ -76,6 +78,9 @@ class ServiceClient(ProcessBound):
         """Stats snapshots asked for."""
         self._released: deque[str] = deque()
         """Blocks whose last view died here, not yet told to the service."""
+        self._maps: dict[str, mmap.mmap] = {}
+        """Blocks mapped here, kept while the service keeps them: it reuses its blocks, so a
+        batch costs no mapping; dropped when the service says it removed one."""
         self._receiving = threading.Lock()
         self._sending = threading.Lock()
         self._arrived = threading.Condition()
@@ -102,7 +107,8 @@ class ServiceClient(ProcessBound):
 
     def open(self, epoch: int, start: int, remaining: tuple[tuple[int, int], ...] | None
              ) -> None:
-        self._send(("open", epoch, start, remaining, AHEAD, Environment.here()))
+        self._send(("open", epoch, start, remaining, AHEAD, Environment.here(),
+                    self._take_released()))
         self.pass_open = True
 
     def next(self) -> tuple[Any, int] | None:
@@ -117,6 +123,9 @@ class ServiceClient(ProcessBound):
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         while (message := self._pop()) is None:
+            if self._channel.buffered:  # read with the last message already
+                self._receive_one(started)
+                continue
             readable = loop.create_future()
             descriptor = self._channel.socket.fileno()
             loop.add_reader(descriptor, _resolve, readable)
@@ -166,7 +175,10 @@ class ServiceClient(ProcessBound):
             _, item, position = message
             if isinstance(item, Exported):
                 name = item.name
-                item = views(shm.attach(name), item.value, lambda: self._released.append(name))
+                block = self._maps.get(name)
+                if block is None:
+                    block = self._maps[name] = shm.attach(name)
+                item = views(block, item.value, lambda: self._released.append(name))
             self._send(("take", self._take_released()))
             return item, position
         self.pass_open = False
@@ -187,9 +199,10 @@ class ServiceClient(ProcessBound):
         return names
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # plain data: no cloudpickle
         try:
             with self._sending:
-                self._channel.send(message)
+                self._channel.send_bytes(data)
         except OSError as e:
             raise self._lost(e) from None
 
@@ -223,6 +236,10 @@ class ServiceClient(ProcessBound):
         if message[0] == "warning":
             warnings.warn(message[2], message[1], stacklevel=3)
             return
+        if message[0] == "removed":  # views still held keep their mapping alive
+            for name in message[1]:
+                self._maps.pop(name, None)
+            return
         (self._replies.append(message[1]) if message[0] == "stats"
          else self._stream.append(message))
         with self._arrived:
@@ -247,6 +264,7 @@ class ServiceClient(ProcessBound):
         if self.closed:
             return
         self.closed = True
+        self._maps.clear()
         if self.foreign:
             self._channel.close()
             return

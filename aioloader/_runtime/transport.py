@@ -12,6 +12,7 @@ never change. Results under `SMALL_RESULT` bytes of arrays keep the pickle path.
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import threading
 import weakref
@@ -168,7 +169,7 @@ class BlockAllocator:
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
         if self._memory is None:
             self._memory = np.frombuffer(shm.attach(self._slot.name, populate=True), np.uint8)
-        size = int(np.prod(shape)) * dtype.itemsize
+        size = math.prod(shape) * dtype.itemsize
         if self.used + size > len(self._memory):
             raise NoRoom
         array = self._memory[self.used : self.used + size].view(dtype).reshape(shape)
@@ -198,7 +199,7 @@ def views(block: mmap.mmap, value: Any, on_free: Callable[[], Any]) -> Any:
 
     def view(place: SharedArray) -> npt.NDArray[Any]:
         dtype = np.dtype(place.dtype)
-        size = int(np.prod(place.shape)) * dtype.itemsize
+        size = math.prod(place.shape) * dtype.itemsize
         return owner[place.offset : place.offset + size].view(dtype).reshape(place.shape)
 
     return map_arrays(value, view, SharedArray)
@@ -232,6 +233,8 @@ class BlockPool(ProcessBound):
         self._free: list[str] = []
         self._holds: dict[str, int] = {}
         """Holds on blocks with more than one (exported parts here and in a client)."""
+        self._removed: list[str] = []
+        """Exporting: names removed since the client was last told (it keeps blocks mapped)."""
         self._max_idle = max_bytes
         self._late: set[str] = set()
         """Names lent to processes that were killed: unlinked now and again at close, in case
@@ -331,9 +334,18 @@ class BlockPool(ProcessBound):
         self._maps.pop(name, None)
         self._sizes.pop(name, None)
         self._holds.pop(name, None)
+        if self.export:
+            self._removed.append(name)
         if name in self._free:
             self._free.remove(name)
         shm.unlink(name)
+
+    def take_removed(self) -> list[str]:
+        """Exporting: the blocks removed since the last call, which the client must stop
+        mapping (a mapping would keep an unlinked block's memory)."""
+        with self._lock:
+            removed, self._removed = self._removed, []
+        return removed
 
     @property
     def segments(self) -> int:
