@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/cache.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/reduced_decode.py
+	$(BIN)/python benchmarks/gil.py
 
 # the streaming loaders aioloader is compared with, and HF datasets, in a venv of their own
 PEERS := .venv-peers
