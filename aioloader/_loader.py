@@ -765,20 +765,26 @@ class _AsyncServicePass:
     def __aiter__(self) -> _AsyncServicePass:
         return self
 
+    def _open(self) -> None:
+        """Kept here as soon as it is open: a caller cancelled meanwhile still stops it."""
+        self._client = self._loader._open_service_pass()
+
     async def __anext__(self) -> Any:
         if self._done:
             raise StopAsyncIteration
         if self._client is None:  # may start the service: off the loop
-            self._client = await off_loop(self._loader._open_service_pass)
+            await off_loop(self._open)
+        client = self._client
+        assert client is not None
         asked = now()
         try:
-            got = await self._client.next_async()
+            got = await client.next_async()
         except BaseException:
             await self.aclose()
             raise
         if got is None:
             self._done = True
-            self._loader._service_pass_over(self._client, finished=True)
+            self._loader._service_pass_over(client, finished=True)
             raise StopAsyncIteration
         return self._loader._served(got, asked)
 
@@ -841,19 +847,27 @@ class _PoolHolder(ProcessBound):
             pool.close()
 
 
-class _ServiceHolder:
+class _ServiceHolder(ProcessBound):
     """A Loader's loader service, started on first use and kept until close; kept apart from
-    the Loader so a finalizer can close it."""
+    the Loader so a finalizer can close it. A service found lost or cut off is replaced at the
+    next pass."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.code = b""
         """The configuration, pickled when the Loader was built."""
         self._client: ServiceClient | None = None
         self._last: bytes | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def get(self, loader: Loader) -> ServiceClient:
         with self._lock:
+            if self._closed:
+                raise LoaderError("this Loader is closed; build a new one")
+            if self._client is not None and self._client.broken is not None:
+                self._client.close()
+                self._client = None
             if self._client is None:
                 self._client = ServiceClient(self.code, loader._packages,
                                              loader.config.stall_timeout)
@@ -879,8 +893,13 @@ class _ServiceHolder:
         return merged
 
     def close(self) -> None:
-        with self._lock:
+        """In a forked child, only its copy of the socket is let go of, without the lock (a
+        thread of the parent may have held it at the fork)."""
+        if self.foreign:
             client, self._client = self._client, None
+        else:
+            with self._lock:
+                client, self._client, self._closed = self._client, None, True
         if client is not None:
             self._last = client.last_stats or self._last
             client.close()

@@ -21,6 +21,7 @@ import pickle
 import signal
 import socket
 import struct
+import threading
 import traceback
 import warnings
 from typing import Any, TextIO
@@ -74,10 +75,13 @@ class _Service:
         self._writer: asyncio.StreamWriter | None = None
         self._credits = asyncio.Semaphore(0)
         self._pass: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
 
     async def serve(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
         warnings.showwarning = self._warn
         try:
             while True:
@@ -120,21 +124,28 @@ class _Service:
             while True:
                 await self._credits.acquire()
                 try:
-                    item = await running.next()
-                except Exception as e:
+                    if not self._hand_over(await running.next(), running):
+                        return
+                except Exception as e:  # the pass's failure, or a batch that cannot travel
                     self._send(("error", *_portable(e), self._stats()))
                     return
-                if item is END:
-                    self._send(("end", self._stats()))
-                    return
-                if isinstance(item, Exported) and loader._blocks is not None:
-                    loader._blocks.hold(item.name)  # the client's, until it releases it
-                self._send(("batch", item, running.position))
-                del item
                 assert self._writer is not None
                 await self._writer.drain()
         finally:
             await loader._close_pass(running)
+
+    def _hand_over(self, item: Any, running: Pass) -> bool:
+        """Send a batch (False: the end of the pass). Pickled first: a block is held for the
+        client only once its batch surely goes out."""
+        if item is END:
+            self._send(("end", self._stats()))
+            return False
+        data = dumps(("batch", item, running.position))
+        blocks = self._loader._blocks
+        if isinstance(item, Exported) and blocks is not None:
+            blocks.hold(item.name)  # the client's, until it releases it
+        self._write(data)
+        return True
 
     async def _open_or_report(self) -> Pass | None:
         try:
@@ -153,8 +164,14 @@ class _Service:
 
     def _warn(self, message: Warning | str, category: type[Warning], filename: str,
               lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
-        """A warning here (a decode process restarted, /dev/shm full) is the trainer's to see."""
-        self._send(("warning", category, str(message)))
+        """A warning here (a decode process restarted, /dev/shm full) is the trainer's to see;
+        one raised on another thread (a storage thread's) is sent from the loop's."""
+        sent = ("warning", category, str(message))
+        if threading.get_ident() == self._thread or self._loop is None:
+            self._send(sent)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody to tell
+                self._loop.call_soon_threadsafe(self._send, sent)
 
     def _release(self, names: list[str]) -> None:
         blocks = self._loader._blocks
@@ -166,13 +183,16 @@ class _Service:
         return pickle.dumps(snapshot(self._loader.stats), pickle.HIGHEST_PROTOCOL)
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        self._write(dumps(message))
+
+    def _write(self, data: bytes) -> None:
+        """One message, after telling the client of the blocks removed since the last."""
         blocks = self._loader._blocks
         removed = blocks.take_removed() if blocks is not None else []
-        messages = [("removed", removed), message] if removed else [message]
+        frames = [dumps(("removed", removed)), data] if removed else [data]
         assert self._writer is not None
-        for each in messages:
-            data = dumps(each)
-            self._writer.writelines([_LENGTH.pack(len(data)), data])
+        for frame in frames:
+            self._writer.writelines([_LENGTH.pack(len(frame)), frame])
 
 
 def _portable(error: BaseException) -> tuple[BaseException, str]:

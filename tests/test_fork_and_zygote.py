@@ -93,6 +93,9 @@ def fork_here():
                 print(json.dumps({{"child": "got a batch"}}), flush=True)
             except aioloader.LoaderError as e:
                 print(json.dumps({{"child": str(e)}}), flush=True)
+        if mode == "mid-epoch":  # as a child dropping what it inherited would
+            batches.close()
+            print(json.dumps({{"child stats": loader.stats.batches}}), flush=True)
         if mode == "os._exit":
             os._exit(0)
         sys.exit(0)
@@ -102,7 +105,7 @@ def fork_here():
                       "segments removed": sorted(before - segments())}}), flush=True)
     return processes
 
-if mode == "mid-epoch, lock held":
+if mode.startswith("mid-epoch"):
     batches = iter(loader)
     got = [next(batches) for _ in range(3)]
     processes = fork_here()
@@ -188,6 +191,16 @@ def test_a_child_forked_mid_epoch_exits_even_if_a_loader_thread_held_a_lock(
 
 
 # -- the zygote's control protocol ---------------------------------------------------------------
+
+
+def test_a_child_forked_mid_epoch_leaves_the_parents_served_pass_alone(
+    local_paths: list[str],
+) -> None:
+    """The child's exit closes the iterator it inherited: that must not stop the parent's pass
+    in the loader service, nor read the parent's batches off the socket."""
+    report = run_fork_script(local_paths, "mid-epoch")
+    assert report["child exit code"] == 0, report["stderr"]
+    assert_right_epoch(local_paths, report)
 
 
 def test_a_late_zygote_reply_is_not_taken_for_the_answer_to_the_next_request(

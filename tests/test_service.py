@@ -298,3 +298,30 @@ def test_an_error_that_cannot_be_pickled_still_reaches_the_trainer_by_name(
     sample_error = aioloader.SampleError(3, "k", "decode", "boom")
     again = pickle.loads(pickle.dumps(sample_error))
     assert (type(again), str(again), again.index) == (aioloader.SampleError, str(sample_error), 3)
+
+
+def test_stats_asked_between_batches_of_an_async_pass_never_strand_the_pass(
+    urls: list[str],
+) -> None:
+    """Asking for stats reads the socket too, and may bring the next batches in with the
+    reply: the pass must find them there rather than wait for the socket."""
+
+    async def watched() -> list[int]:
+        counts = []
+        with aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=5) as loader:
+            async for _ in loader:
+                counts.append(loader.stats.batches)
+        return counts
+
+    assert asyncio.run(asyncio.wait_for(watched(), 60)) == list(range(1, 21))
+
+
+def test_a_broken_off_pass_whose_stop_is_unanswered_does_not_leak_into_the_next(
+    urls: list[str],
+) -> None:
+    with aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=10) as loader:
+        client = loader._service.get(loader)
+        for _ in range(3):  # three passes stopped without waiting, as dropped iterators are
+            loader._open_service_pass()
+            loader._service_pass_over(client, False, wait=False)
+        assert [_plain(b) for b in loader] == [list(range(n, n + 10)) for n in range(0, 100, 10)]

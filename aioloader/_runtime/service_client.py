@@ -22,6 +22,7 @@ import contextlib
 import mmap
 import os
 import pickle
+import select
 import signal
 import socket
 import threading
@@ -84,8 +85,11 @@ class ServiceClient(ProcessBound):
         self._receiving = threading.Lock()
         self._sending = threading.Lock()
         self._arrived = threading.Condition()
-        self._discarding = False
-        """A pass was stopped: its messages up to "stopped" are dropped."""
+        self._discarding = 0
+        """Passes stopped whose "stopped" has not come yet: their messages are dropped."""
+        self.broken: str | None = None
+        """Why this connection can no longer be used (the service was lost, a message was
+        cut short); the Loader then starts another service."""
         self.closed = False
         self.pass_open = False
         """A pass was opened and has not ended, failed or been stopped."""
@@ -119,29 +123,39 @@ class ServiceClient(ProcessBound):
         return self._deliver(message)
 
     async def next_async(self) -> tuple[Any, int] | None:
-        """`next()` for `async for`: the caller's loop waits for the socket to be readable."""
+        """`next()` for `async for`: the caller's loop waits for the socket to be readable,
+        in short slices, so that a message another thread (asking for `stats`) received
+        meanwhile is seen."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         while (message := self._pop()) is None:
-            if self._channel.buffered:  # read with the last message already
-                self._receive_one(started)
-                continue
-            readable = loop.create_future()
-            descriptor = self._channel.socket.fileno()
-            loop.add_reader(descriptor, _resolve, readable)
-            try:
-                await asyncio.wait_for(readable, self._timeout)
-            except TimeoutError:
-                raise self._silent(started) from None
-            finally:
-                loop.remove_reader(descriptor)
-            self._receive_one(started)
+            if not self._channel.buffered:
+                await self._readable(loop, started)
+            if self._receiving.acquire(blocking=False):
+                try:
+                    if not self._stream and (self._channel.buffered or _ready(
+                            self._channel.socket)):
+                        self._dispatch(started)
+                finally:
+                    self._receiving.release()
         return self._deliver(message)
+
+    async def _readable(self, loop: asyncio.AbstractEventLoop, started: float) -> None:
+        readable = loop.create_future()
+        descriptor = self._channel.socket.fileno()
+        loop.add_reader(descriptor, _resolve, readable)
+        try:
+            await asyncio.wait({readable}, timeout=0.05)
+        finally:
+            loop.remove_reader(descriptor)
+        if time.monotonic() - started > self._timeout:
+            raise self._silent(started)
 
     def stop(self, wait: bool = True) -> None:
         """End the pass before its end: the batches already sent are dropped (their blocks
         released). `wait`: until the service has closed the pass."""
-        self._discarding, self.pass_open = True, False
+        self._discarding += 1
+        self.pass_open = False
         self._send(("stop", self._take_released()))
         if wait:
             started = time.monotonic()
@@ -163,7 +177,7 @@ class ServiceClient(ProcessBound):
             if not self._discarding:
                 return message
             if message[0] == "stopped":
-                self._discarding = False
+                self._discarding -= 1
                 self.last_stats = message[1]
             elif message[0] == "batch" and isinstance(message[1], Exported):
                 self._released.append(message[1].name)
@@ -198,12 +212,22 @@ class ServiceClient(ProcessBound):
             names.append(self._released.popleft())
         return names
 
+    def _check_usable(self) -> None:
+        if self.foreign:
+            raise LoaderError(f"this loader service (pid {self.pid}) belongs to process "
+                              f"{self.owner_pid}; this process is a child forked from it")
+        if self.broken is not None:
+            raise LoaderError(f"the loader service (pid {self.pid}) cannot be used: "
+                              f"{self.broken}")
+
     def _send(self, message: tuple[Any, ...]) -> None:
+        self._check_usable()
         data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # plain data: no cloudpickle
         try:
             with self._sending:
                 self._channel.send_bytes(data)
         except OSError as e:
+            self.broken = "it was lost"
             raise self._lost(e) from None
 
     def _wait(self, ready: Callable[[], bool], started: float) -> None:
@@ -222,17 +246,19 @@ class ServiceClient(ProcessBound):
             if time.monotonic() - started > self._timeout:
                 raise self._silent(started)
 
-    def _receive_one(self, started: float) -> None:
-        with self._receiving:
-            self._dispatch(started)
-
     def _dispatch(self, started: float) -> None:
+        self._check_usable()
         try:
             message = self._channel.receive()
         except TimeoutError:
+            self.broken = "it stopped answering"
             raise self._silent(started) from None
         except (OSError, EOFError) as e:
+            self.broken = "it was lost"
             raise self._lost(e) from None
+        except BaseException:  # Ctrl-C mid-message: what is left of it cannot be found again
+            self.broken = "a message from it was cut short"
+            raise
         if message[0] == "warning":
             warnings.warn(message[2], message[1], stacklevel=3)
             return
@@ -277,6 +303,11 @@ class ServiceClient(ProcessBound):
                     os.kill(self.pid, signal.SIGKILL)
                 zygote.exit_status(self.pid, STOP_SECONDS)
         self._channel.close()
+
+
+def _ready(sock: socket.socket) -> bool:
+    """Whether `sock` has something to read now."""
+    return bool(select.select([sock], [], [], 0)[0])
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
