@@ -78,8 +78,8 @@ class _Server:
         self.statuses: dict[int, int] = {}
 
     def serve(self) -> None:
-        self.parent.channel.send("ready")
         try:
+            self.parent.channel.send("ready")  # the parent may have exited already
             while os.getppid() == self.parent.pid:
                 sockets = [client.channel.socket for client in self.clients.values()]
                 readable, _, _ = select.select(sockets, [], [], POLL_SECONDS)
