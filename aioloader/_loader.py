@@ -1,7 +1,9 @@
-"""The Loader: configuration, the decode pool it keeps, and where it stands in the epochs.
+"""The Loader: a front over its configuration (`LoaderConfig`), the decode pool it keeps, and
+where it stands in the epochs.
 
-Each iteration is a pass (`_runtime.passes.Pass`) built from a snapshot of the configuration, in
-the event loop that iterates: the caller's for `async for`, a loop in a background thread for a
+Each iteration is a pass (`_runtime.passes.Pass`) built from the configuration, in a loader
+service (`_service`: the default with decode processes; here only the client's side) or in the
+event loop that iterates: the caller's for `async for`, a loop in a background thread for a
 plain `for`. A Loader runs one pass at a time.
 """
 
@@ -76,8 +78,10 @@ CLOSE_WAIT_SECONDS = 5.0
 class Loader(Closing, AsyncClosing):
     """Batches of decoded samples from a dataset, read with many reads in flight.
 
-    Iterate it with `for` (the event loop runs in a background thread) or `async for` (in
-    the running loop); `with`/`async with` or `close()` stop everything it started.
+    Iterate it with `for` or `async for`; with decode processes the pipeline runs in a loader
+    process of its own (`service`), else its event loop runs in a background thread (`for`)
+    or in the running loop (`async for`); `with`/`async with` or `close()` stop everything it
+    started.
 
     Args:
         dataset: an `aioloader.Dataset` (map-style: `__len__` and `async fetch(index)`) or an
@@ -126,6 +130,10 @@ class Loader(Closing, AsyncClosing):
         hedge: when a remote read has taken longer than 97% of recent reads, send a second
             request for the same bytes and take the first answer; at most 5% more requests.
             One slow answer in a hundred then stops costing a second of the epoch.
+        service: "process" runs the passes (reads, decode scheduling, hand-over) in a loader
+            process beside this one, so a training step holding the GIL does not slow them;
+            batches arrive as views of shared memory. None keeps the event loop in this
+            process. Default: "process" with decode processes, else None (pdb works).
     """
 
     def __init__(
