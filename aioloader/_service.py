@@ -133,6 +133,7 @@ class _Service:
                 await self._writer.drain()
         finally:
             await loader._close_pass(running)
+            self._tell_removed()  # blocks the pass's close removed: the client unmaps them now
 
     def _hand_over(self, item: Any, running: Pass) -> bool:
         """Send a batch (False: the end of the pass). Pickled first: a block is held for the
@@ -187,12 +188,19 @@ class _Service:
 
     def _write(self, data: bytes) -> None:
         """One message, after telling the client of the blocks removed since the last."""
+        self._tell_removed()
+        self._frame(data)
+
+    def _tell_removed(self) -> None:
         blocks = self._loader._blocks
         removed = blocks.take_removed() if blocks is not None else []
-        frames = [dumps(("removed", removed)), data] if removed else [data]
+        if removed:
+            self._frame(dumps(("removed", removed)))
+
+    def _frame(self, data: bytes) -> None:
         assert self._writer is not None
-        for frame in frames:
-            self._writer.writelines([_LENGTH.pack(len(frame)), frame])
+        if not self._writer.is_closing():
+            self._writer.writelines([_LENGTH.pack(len(data)), data])
 
 
 def _portable(error: BaseException) -> tuple[BaseException, str]:
