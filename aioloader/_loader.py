@@ -233,7 +233,7 @@ class Loader(Closing, AsyncClosing):
         )
         self._service = _ServiceHolder()
         self._packages: list[str] = []
-        if config.num_workers and executor is None:
+        if config.num_workers and executor is None and not export:  # a service's travelled
             self._packages = packages = packages_behind(self._check_serialisable())
             # start the helper that forks decode processes now, with what decode imports,
             # while the caller builds the rest of the job: the first pass need not wait for it
@@ -306,7 +306,24 @@ class Loader(Closing, AsyncClosing):
 
     def _check_serialisable(self) -> list[bytes]:
         """Fail here, not in a decode process or the service, when something cannot travel;
-        the pickles."""
+        the pickles. With a service, the configuration is all that travels from here (decode
+        and worker_init inside it): it is pickled once, and the parts only to name the one
+        that cannot."""
+        if self.config.service is None:
+            return self._pickled_for_decode()
+        try:
+            self._service.code = dumps(self.config)
+        except Exception as e:
+            self._pickled_for_decode()  # raises naming decode or worker_init when one is why
+            raise ValueError(
+                f"the dataset cannot be sent to the loader service: {type(e).__name__}: "
+                f"{e}. It holds something that cannot be pickled (an open file, a lock, a "
+                "client); make it picklable, or keep the loader in this process with "
+                "service=None."
+            ) from e
+        return [self._service.code]
+
+    def _pickled_for_decode(self) -> list[bytes]:
         pickled = []
         for name, value in (("decode", self._spec), ("worker_init", self.config.worker_init)):
             try:
@@ -317,17 +334,6 @@ class Loader(Closing, AsyncClosing):
                     "It (or what it refers to) holds something that cannot be pickled, such "
                     "as an open file, a lock or a socket; or use num_workers=0."
                 ) from e
-        if self.config.service is not None:
-            try:
-                self._service.code = dumps(self.config)
-            except Exception as e:
-                raise ValueError(
-                    f"the dataset cannot be sent to the loader service: {type(e).__name__}: "
-                    f"{e}. It holds something that cannot be pickled (an open file, a lock, a "
-                    "client); make it picklable, or keep the loader in this process with "
-                    "service=None."
-                ) from e
-            pickled.append(self._service.code)
         return pickled
 
     # -- epochs and state ------------------------------------------------------------------
