@@ -20,7 +20,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import threading
 import traceback
 import warnings
@@ -30,15 +29,13 @@ from ._config import LoaderConfig
 from ._errors import LoaderError, RemoteTraceback
 from ._loader import Loader
 from ._loopthread import new_event_loop
-from ._runtime.channel import Channel, dumps
+from ._runtime.channel import Channel, dumps, frame, read_message
 from ._runtime.decode import one_line
 from ._runtime.passes import END, Pass
 from ._runtime.service_client import ServiceInit
 from ._runtime.transport import Exported
 from ._runtime.zygote import Zygote
 from ._stats import snapshot
-
-_LENGTH = struct.Struct("!Q")
 
 
 def run(descriptor: int, zygote_descriptor: int, zygote_pid: int) -> int:
@@ -85,9 +82,7 @@ class _Service:
         warnings.showwarning = self._warn
         try:
             while True:
-                head = await reader.readexactly(_LENGTH.size)
-                message = pickle.loads(await reader.readexactly(_LENGTH.unpack(head)[0]))
-                await self._answer(message)
+                await self._answer(await read_message(reader))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the trainer closed its end, or died
         finally:
@@ -200,7 +195,7 @@ class _Service:
     def _frame(self, data: bytes) -> None:
         assert self._writer is not None
         if not self._writer.is_closing():
-            self._writer.writelines([_LENGTH.pack(len(data)), data])
+            self._writer.writelines(frame(data))
 
 
 def _portable(error: BaseException) -> tuple[BaseException, str]:

@@ -14,14 +14,29 @@ import pickle
 import socket
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-_LENGTH = struct.Struct("!Q")
+if TYPE_CHECKING:  # the zygote and decode processes need no asyncio
+    import asyncio
+
+LENGTH = struct.Struct("!Q")
+"""The head of every message: the length of the pickle that follows."""
 _READ_SIZE = 64 * 1024
 MAX_FDS = 4
 """Descriptors one message may carry."""
+
+
+async def read_message(reader: asyncio.StreamReader) -> Any:
+    """The next message from an asyncio stream in this framing (a loader service's side)."""
+    head = await reader.readexactly(LENGTH.size)
+    return pickle.loads(await reader.readexactly(LENGTH.unpack(head)[0]))
+
+
+def frame(data: bytes) -> list[bytes]:
+    """A pickled message as it goes on the wire: its head, then its body."""
+    return [LENGTH.pack(len(data)), data]
 
 
 def dumps(value: Any) -> bytes:
@@ -43,7 +58,7 @@ class Channel:
     def send_bytes(self, data: bytes, fds: Sequence[int] = ()) -> None:
         """One message; `fds` travel with its first byte. Head and body go in one call, so a
         small message arrives whole."""
-        head = _LENGTH.pack(len(data))
+        head, _ = frame(data)
         descriptors = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         sent = self.socket.sendmsg([head, data], descriptors)
         if sent < len(head):
@@ -55,17 +70,17 @@ class Channel:
         message usually comes whole in one read; what a read brings past it is kept for the
         next (so a channel read this way is never read with `receive_with_fds`)."""
         buffered = self._buffered
-        while len(buffered) < _LENGTH.size:
+        while len(buffered) < LENGTH.size:
             buffered += self._recv()
-        (length,) = _LENGTH.unpack_from(buffered)
-        end = _LENGTH.size + length
+        (length,) = LENGTH.unpack_from(buffered)
+        end = LENGTH.size + length
         if len(buffered) >= end:
             self._buffered = buffered[end:]
-            return pickle.loads(memoryview(buffered)[_LENGTH.size:end])
+            return pickle.loads(memoryview(buffered)[LENGTH.size:end])
         self._buffered = b""
         body = bytearray(length)
-        have = len(buffered) - _LENGTH.size
-        body[:have] = memoryview(buffered)[_LENGTH.size:]
+        have = len(buffered) - LENGTH.size
+        body[:have] = memoryview(buffered)[LENGTH.size:]
         self._fill(memoryview(body)[have:])
         return pickle.loads(body)
 
@@ -83,10 +98,10 @@ class Channel:
 
     def receive_with_fds(self) -> tuple[Any, list[int]]:
         """The next message and the descriptors sent with it (now this process's to close)."""
-        head, fds, _, _ = socket.recv_fds(self.socket, _LENGTH.size, MAX_FDS)
+        head, fds, _, _ = socket.recv_fds(self.socket, LENGTH.size, MAX_FDS)
         if not head:
             raise EOFError("the other end of the channel closed")
-        (length,) = _LENGTH.unpack(head + self._exactly(_LENGTH.size - len(head)))
+        (length,) = LENGTH.unpack(head + self._exactly(LENGTH.size - len(head)))
         return pickle.loads(self._exactly(length)), list(fds)
 
     def _exactly(self, size: int) -> bytearray:
