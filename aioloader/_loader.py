@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 
@@ -38,11 +38,12 @@ from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
 from ._loopthread import LoopThread
-from ._runtime import autotune, shm
+from ._runtime import autotune, node, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
 from ._runtime.decode import DecodeSpec
 from ._runtime.decoders import Decoder, ExecutorDecoder, InlineDecoder, PoolDecoder
+from ._runtime.fingerprint import fingerprint
 from ._runtime.passes import END, Pass, PassConfig
 from ._runtime.pool import DecodePool
 from ._runtime.preload import packages_behind
@@ -67,6 +68,9 @@ from .storage._hedge import Hedger
 from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
 from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 from .storage._storage import Storage
+
+if TYPE_CHECKING:
+    from ._node_service import NodeShare
 
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
@@ -206,9 +210,21 @@ class Loader(Closing, AsyncClosing):
         loader._start(dataclasses.replace(config, service=None), None, export=True)
         return loader
 
-    def _start(self, config: LoaderConfig, executor: Executor | None, export: bool = False
-               ) -> None:
+    @classmethod
+    def _in_node(cls, config: LoaderConfig, share: NodeShare) -> Loader:
+        """A rank's Loader inside a node's loader service: its own epochs, position and
+        division; the node's reads, storage, decode processes and blocks, and its share of
+        the node's memory limit."""
+        loader = cls.__new__(cls)
+        loader._start(dataclasses.replace(config, service=None,
+                                          memory_limit=share.memory_per_rank),
+                      None, export=True, share=share)
+        return loader
+
+    def _start(self, config: LoaderConfig, executor: Executor | None, export: bool = False,
+               share: NodeShare | None = None) -> None:
         self.config = config
+        self._share = share
         dataset = config.dataset
         if config.cache is not None:
             config.cache._attach(len(cast(Dataset, dataset)))
@@ -218,8 +234,13 @@ class Loader(Closing, AsyncClosing):
         self._hedger = Hedger(self._stats.storage) if config.hedge else None
         """Kept from pass to pass: what it learnt of read times is valid in the next epoch."""
         self.cache = config.cache
-        self.disk_cache = None if config.cache_dir is None else DiskCache(
-            config.cache_dir, config.cache_limit)
+        self.disk_cache: DiskCache | None = None
+        if share is not None:
+            self.disk_cache = share.node.disk_cache
+        elif config.cache_dir is not None:
+            self.disk_cache = DiskCache(config.cache_dir, config.cache_limit)
+        if share is not None:
+            self._stats.storage = share.node._stats.storage
         self._stats.cache_reports = [c.report for c in (self.cache, self.disk_cache)
                                     if c is not None]
         self._stats.source_shares = getattr(dataset, "shares", None)
@@ -237,8 +258,10 @@ class Loader(Closing, AsyncClosing):
             self._packages = packages = packages_behind(self._check_serialisable())
             # start the helper that forks decode processes now, with what decode imports,
             # while the caller builds the rest of the job: the first pass need not wait for it
-            threading.Thread(target=_start_zygote, args=(packages,),
-                             name="aioloader-zygote-start", daemon=True).start()
+            # (a node's service has its own)
+            if config.service != "node":
+                threading.Thread(target=_start_zygote, args=(packages,),
+                                 name="aioloader-zygote-start", daemon=True).start()
         self._epoch = 0
         self._position = 0
         """Where the last pass stood: the global position in the epoch's order (map-style
@@ -257,14 +280,16 @@ class Loader(Closing, AsyncClosing):
         """A pass runs in the loader service."""
         self._holder = _PoolHolder()
         self._blocks: BlockPool | None = None
-        if (config.shared_memory and config.num_workers and executor is None
+        if share is not None:
+            self._blocks = share.blocks
+        elif (config.shared_memory and config.num_workers and executor is None
                 and config.service is None and shm.available()):
             self._blocks = BlockPool(
                 max_blocks=self._decode_window() + self._prefetch_chunks() + 4,
                 max_bytes=config.memory_limit, export=export,
             )
-        self._finalizer = weakref.finalize(self, _shut_down, self._holder, self._blocks,
-                                           self._service)
+        self._finalizer = weakref.finalize(self, _shut_down, self._holder,
+                                           None if share else self._blocks, self._service)
 
     # -- settings (read-only: `config` holds them all) ---------------------------------------
 
@@ -313,6 +338,9 @@ class Loader(Closing, AsyncClosing):
             return self._pickled_for_decode()
         try:
             self._service.code = dumps(self.config)
+            if self.config.service == "node":  # what every rank of the node computes alike
+                self._service.fingerprint = fingerprint(
+                    dataclasses.replace(self.config, rank=0, world_size=1))
         except Exception as e:
             self._pickled_for_decode()  # raises naming decode or worker_init when one is why
             raise ValueError(
@@ -498,10 +526,15 @@ class Loader(Closing, AsyncClosing):
         stats.concurrency = 1 if isinstance(self.dataset, Stream) else self.concurrency
         stats.stream = isinstance(self.dataset, Stream)
         stats.decode_processes = self.num_workers
-        reads = autotune.ReadLimit(self.concurrency)
-        connections = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
-        storage = Storage(connections, self.config.retries, self.config.timeout, stats.storage,
-                          self.disk_cache, self.config.max_object_bytes, self._hedger or False)
+        share = self._share
+        if share is not None:  # the node's, for every rank's passes
+            reads, storage = share.reads, share.storage
+        else:
+            reads = autotune.ReadLimit(self.concurrency)
+            connections = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
+            storage = Storage(connections, self.config.retries, self.config.timeout,
+                              stats.storage, self.disk_cache, self.config.max_object_bytes,
+                              self._hedger or False)
         source: PlannedSource | StreamSource
         if isinstance(self.dataset, Stream):
             source = StreamSource(
@@ -514,12 +547,12 @@ class Loader(Closing, AsyncClosing):
                              self.config.drop_last, start)
             source = PlannedSource(self.dataset, plan, config.steps_per_chunk,
                                    config.skip_errors, self.cache, reads, stats)
-        decoder = self._decoder(epoch)
+        decoder: Decoder = self._decoder(epoch) if share is None else share.decoder()
         blocks = self._blocks
         if isinstance(decoder, InlineDecoder) and blocks is not None and not blocks.export:
             blocks = None  # collated here and used here: no block to copy the batch into
         side_tasks = []
-        if self.config.auto_concurrency:
+        if self.config.auto_concurrency and share is None:  # a node's reads stay as set
             tuner = autotune.Tuner(
                 reads,
                 lambda: (stats.fetch.count, stats.fetch.total, stats.consumer_wait.total),
@@ -538,7 +571,7 @@ class Loader(Closing, AsyncClosing):
             return call_with_shard_info(info, start_with_storage)
 
         return Pass(config, source, decoder, blocks, stats, storage, in_context,
-                    side_tasks)
+                    side_tasks, owns_storage=share is None)
 
     def _decoder(self, epoch: int) -> Decoder:
         if self.executor is not None:
@@ -870,6 +903,8 @@ class _ServiceHolder(ProcessBound):
         super().__init__()
         self.code = b""
         """The configuration, pickled when the Loader was built."""
+        self.fingerprint = ""
+        """For a node's service: what every rank with the same Loader computes alike."""
         self._client: ServiceClient | None = None
         self._last: bytes | None = None
         self._lock = threading.Lock()
@@ -883,8 +918,11 @@ class _ServiceHolder(ProcessBound):
                 self._client.close()
                 self._client = None
             if self._client is None:
-                self._client = ServiceClient(self.code, loader._packages,
-                                             loader.config.stall_timeout)
+                config = loader.config
+                self._client = node.connect(
+                    self.code, self.fingerprint, loader._packages, config.stall_timeout
+                ) if config.service == "node" else ServiceClient.spawn(
+                    self.code, loader._packages, config.stall_timeout)
             return self._client
 
     def stats(self, here: LoaderStats) -> LoaderStats:

@@ -23,6 +23,7 @@ import socket
 import threading
 import traceback
 import warnings
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from ._config import LoaderConfig
@@ -56,30 +57,38 @@ def run(descriptor: int, zygote_descriptor: int, zygote_pid: int) -> int:
         return 1
     channel.send(("ready", os.getpid()))
     loop = new_event_loop()
+    blocks = loader._blocks
+    service = Service(loader, blocks.take_removed if blocks is not None else list)
+    warnings.showwarning = service.warn
     try:
-        loop.run_until_complete(_Service(loader).serve(sock))
+        loop.run_until_complete(_serve_socket(service, sock))
     finally:
         loader.close()
         loop.close()
     return 0
 
 
-class _Service:
-    """One client's passes, one at a time, over a Loader built in this process."""
+async def _serve_socket(service: Service, sock: socket.socket) -> None:
+    sock.setblocking(False)
+    await service.serve(*await asyncio.open_unix_connection(sock=sock))
 
-    def __init__(self, loader: Loader) -> None:
+
+class Service:
+    """One client's passes, one at a time, over a Loader built in this process.
+    `take_removed` gives the blocks unlinked since the client was last told."""
+
+    def __init__(self, loader: Loader, take_removed: Callable[[], list[str]]) -> None:
         self._loader = loader
+        self._take_removed = take_removed
         self._writer: asyncio.StreamWriter | None = None
         self._credits = asyncio.Semaphore(0)
         self._pass: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = 0
 
-    async def serve(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writer = writer
         self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
-        warnings.showwarning = self._warn
         try:
             while True:
                 await self._answer(await read_message(reader))
@@ -158,8 +167,8 @@ class _Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await running
 
-    def _warn(self, message: Warning | str, category: type[Warning], filename: str,
-              lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+    def warn(self, message: Warning | str, category: type[Warning], filename: str,
+             lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
         """A warning here (a decode process restarted, /dev/shm full) is the trainer's to see;
         one raised on another thread (a storage thread's) is sent from the loop's."""
         sent = ("warning", category, str(message))
@@ -187,8 +196,7 @@ class _Service:
         self._frame(data)
 
     def _tell_removed(self) -> None:
-        blocks = self._loader._blocks
-        removed = blocks.take_removed() if blocks is not None else []
+        removed = self._take_removed()
         if removed:
             self._frame(dumps(("removed", removed)))
 

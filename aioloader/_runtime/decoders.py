@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
 import itertools
 import pickle
 import signal
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,6 +32,10 @@ STATUS_WAIT = 5.0
 
 
 class Decoder(Protocol):
+    shared: bool
+    """Its processes serve other passes too: closing the pass stops none of them, so a block
+    lent to one of its chunks may still be written afterwards."""
+
     async def decode(self, chunk: Chunk) -> ChunkResult: ...
 
     def in_flight(self) -> list[tuple[float, str]]:
@@ -48,6 +53,8 @@ class Decoder(Protocol):
 
 class _HoldsNothing:
     """A decoder with no processes of its own: nothing to watch or to release."""
+
+    shared = False
 
     def in_flight(self) -> list[tuple[float, str]]:
         return []
@@ -123,14 +130,18 @@ def short_list(values: list[int], limit: int = 8) -> str:
 
 
 class PoolDecoder:
-    """A pass's hold on the decode pool.
+    """A pass's hold on the decode pool (or, in a node's loader service, every rank's).
 
-    Chunks go to the least busy process, at most PER_PROCESS each. A chunk running longer than
-    `decode_timeout` gets its process killed and fails (or, skipping errors, is skipped). A
-    process that dies is replaced and its chunks are sent again, in order, up to
-    `max_restarts` times per pass; a chunk that was running when a process died twice is not
-    sent a third time (a poison chunk). Every sample still comes out once, with the same rng.
+    Chunks go to the least busy process, at most PER_PROCESS each; the waiting chunk of the
+    earliest step goes first, so of several passes the one furthest behind is served first.
+    A chunk running longer than `decode_timeout` gets its process killed and fails (or,
+    skipping errors, is skipped). A process that dies is replaced and its chunks are sent
+    again, in order, up to `max_restarts` times per pass; a chunk that was running when a
+    process died twice is not sent a third time (a poison chunk). Every sample still comes
+    out once, with the same rng.
     """
+
+    shared = False
 
     def __init__(
         self,
@@ -153,7 +164,8 @@ class PoolDecoder:
         """Told of each chunk killed at decode_timeout, for the loader's stats."""
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
-        self._waiting: deque[_Job] = deque()
+        self._waiting: list[tuple[int, int, _Job]] = []
+        """Chunks not sent yet, a heap by (step, arrival)."""
         self._assigned: dict[int, deque[_Job]] = {}
         """Per process id: the chunks sent to it, in the order it runs them."""
         self._failure: BaseException | None = None
@@ -181,6 +193,11 @@ class PoolDecoder:
         self._dispatch()
 
     @property
+    def failure(self) -> BaseException | None:
+        """What ended this decoder's work (a worker_init failure, too many deaths)."""
+        return self._failure
+
+    @property
     def _pool(self) -> DecodePool:
         assert self._pool_or_none is not None, "the pool is used only once it is up"
         return self._pool_or_none
@@ -190,7 +207,7 @@ class PoolDecoder:
         if self._failure is not None:
             raise self._failure
         job = _Job(next(self._ids), chunk, self._loop.create_future())
-        self._waiting.append(job)
+        self._wait(job)
         self._dispatch()
         return await job.future
 
@@ -201,7 +218,7 @@ class PoolDecoder:
             queue = self._assigned[process.id]
             if len(queue) >= PER_PROCESS:
                 return
-            job = self._waiting.popleft()
+            job = heapq.heappop(self._waiting)[2]
             if job.future.done():
                 continue  # its batch was given up on
             if not queue:
@@ -238,7 +255,7 @@ class PoolDecoder:
         `error`."""
         if self._failure is None:
             self._failure = error
-        jobs = [*(lost or []), *self._waiting, *(j for q in self._assigned.values() for j in q)]
+        jobs = [*(lost or []), *self._jobs()]
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(error)
@@ -273,8 +290,7 @@ class PoolDecoder:
                     "they are not sent again"
                 ), f"killed a decode process twice ({cause})")
         for job in jobs:
-            job.started = 0.0
-        self._waiting.extendleft(reversed(jobs))
+            self._wait(job)
         await self._replace(process)
 
     async def _replace(self, process: DecodeProcess) -> None:
@@ -321,25 +337,36 @@ class PoolDecoder:
             f"decode_timeout={self._timeout:g} s in {process}; the process was killed"
         ), f"decode took longer than decode_timeout={self._timeout:g} s")
         for job in queue:
-            job.started = 0.0
-        self._waiting.extendleft(reversed(queue))
+            self._wait(job)
         self._tasks.start(self._replace(process))
 
-    def in_flight(self) -> list[tuple[float, str]]:
+    def _wait(self, job: _Job) -> None:
+        """Queue a job to be sent (again: its place is its step, so it goes first again)."""
+        job.started = 0.0
+        heapq.heappush(self._waiting, (job.chunk.step, job.id, job))
+
+    def _jobs(self) -> list[_Job]:
+        """Every job waiting or sent."""
+        return [*(entry[2] for entry in self._waiting),
+                *(j for q in self._assigned.values() for j in q)]
+
+    def in_flight(self, chunks: Container[int] | None = None) -> list[tuple[float, str]]:
+        """Chunks running (only those whose id() is in `chunks`, if given), for a watchdog."""
         if self._pool_or_none is None:
             return []
         moment = now()
         return [
             (moment - queue[0].started, f"samples {short_list(queue[0].chunk.indices)} in "
              f"{self._pool.processes[worker_id]}")
-            for worker_id, queue in self._assigned.items() if queue and queue[0].started
+            for worker_id, queue in self._assigned.items()
+            if queue and queue[0].started and (chunks is None or id(queue[0].chunk) in chunks)
         ]
 
     def _release(self) -> list[DecodeProcess]:
         """Stop listening; kill the processes still holding chunks of this pass."""
         self._let_go = True
         self._tasks.cancel_all()
-        for job in [*self._waiting, *(j for q in self._assigned.values() for j in q)]:
+        for job in self._jobs():
             job.future.cancel()
         pool = self._pool_or_none
         if pool is None:
@@ -366,3 +393,40 @@ class PoolDecoder:
             await off_loop(self._pool.exit_status, process, STATUS_WAIT)
         if self._owns_pool and self._pool_or_none is not None:
             await off_loop(self._pool_or_none.close)
+
+
+class SharedDecoder:
+    """One pass's use of a decoder that serves several passes at once (the ranks of a node).
+
+    A chunk the pass gives up on (a `break`, an error) is cancelled: not sent if it still
+    waits, its result ignored if a process runs it. Closing the pass stops no process: the
+    others' chunks run on.
+    """
+
+    shared = True
+
+    def __init__(self, decoder: Decoder, on_close: Callable[[], None]) -> None:
+        self._decoder = decoder
+        self._on_close = on_close
+        self._chunks: set[int] = set()
+        self._closed = False
+
+    async def decode(self, chunk: Chunk) -> ChunkResult:
+        self._chunks.add(id(chunk))
+        try:
+            return await self._decoder.decode(chunk)
+        finally:
+            self._chunks.discard(id(chunk))
+
+    def in_flight(self) -> list[tuple[float, str]]:
+        if isinstance(self._decoder, PoolDecoder):
+            return self._decoder.in_flight(self._chunks)
+        return []
+
+    def abandon(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close()
+
+    async def aclose(self) -> None:
+        self.abandon()

@@ -39,6 +39,8 @@ class Chunk:
     raws: list[Any]
     slot: transport.Slot | None = None
     """A shared-memory block to hand the result back in, when the main process has one."""
+    step: int = 0
+    """The pass's step it starts: a decode pool serving several passes runs the earliest first."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for a decode process: tensor views travel as their own elements."""

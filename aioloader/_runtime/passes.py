@@ -75,6 +75,7 @@ class Pass:
         storage: Storage,
         run_in_context: Callable[[Callable[[], asyncio.Task[None]]], asyncio.Task[None]],
         side_tasks: list[Coroutine[Any, Any, None]] | None = None,
+        owns_storage: bool = True,
     ) -> None:
         self.config = config
         self._source = source
@@ -84,6 +85,8 @@ class Pass:
         self._storage = storage
         self._run_in_context = run_in_context
         self._side_tasks = side_tasks or []
+        self._owns_storage = owns_storage
+        """False when the storage serves other passes too (a node's ranks): it stays open."""
         self._loop = asyncio.get_running_loop()
         self._handover = Handover(config.ordered)
         self._ready: list[tuple[int, int, Pending]] = []
@@ -145,8 +148,9 @@ class Pass:
         if self._blocks is not None:
             for name in self._lent:
                 self._blocks.retire_later(name)
-        with contextlib.suppress(RuntimeError):  # the loop is gone: the session goes with it
-            self._loop.create_task(self._storage.aclose())
+        if self._owns_storage:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the session goes too
+                self._loop.create_task(self._storage.aclose())
 
     async def aclose(self) -> None:
         if self.closed:
@@ -157,10 +161,13 @@ class Pass:
             await asyncio.gather(*self._tasks.cancel_all(), return_exceptions=True)
             await self._decoder.aclose()  # busy processes are stopped: blocks are safe to drop
             if self._blocks is not None:
+                retire = (self._blocks.retire_later if self._decoder.shared
+                          else self._blocks.retire)  # shared: a process may write it yet
                 for name in self._lent:
-                    self._blocks.retire(name)
+                    retire(name)
         finally:
-            await self._storage.aclose()
+            if self._owns_storage:
+                await self._storage.aclose()
 
     @property
     def position(self) -> int:
@@ -357,7 +364,7 @@ class Pass:
         if slot is not None:
             self._lent.add(slot.name)
         chunk = Chunk(self.config.epoch, [pending.indices[n] for n in kept],
-                      [pending.raws[n] for n in kept], slot)
+                      [pending.raws[n] for n in kept], slot, pending.first_step)
         try:
             result = await self._decoder.decode(chunk)
         except asyncio.CancelledError:

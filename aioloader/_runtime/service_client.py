@@ -53,25 +53,27 @@ EXTRA_SECONDS = 60.0
 @dataclass(frozen=True)
 class ServiceInit:
     """The first message a loader service gets: the configuration, pickled, and where the
-    training process runs (its import path, environment, working directory)."""
+    training process runs (its import path, environment, working directory). A node's service
+    also gets the configuration's fingerprint, which every rank it serves must share, and the
+    packages to import before forking decode processes."""
 
     code: bytes
     environment: Environment
+    fingerprint: str = ""
+    packages: tuple[str, ...] = ()
 
 
 class ServiceClient(ProcessBound):
-    """A loader service started for this process, and the pass it runs for it."""
+    """A connection to a loader service, and the pass it runs for this process: a service
+    started for this process alone (`spawn`), or a node's, shared with the other ranks
+    (`shared`: closing leaves it running for them)."""
 
-    def __init__(self, code: bytes, packages: list[str], stall_timeout: float) -> None:
+    def __init__(self, sock: socket.socket, pid: int, stall_timeout: float, shared: bool = False
+                 ) -> None:
         super().__init__()
-        ours, theirs = socket.socketpair()
-        try:
-            with theirs:
-                self.pid = Zygote.get().spawn_service(theirs, packages)
-        except BaseException:
-            ours.close()
-            raise
-        self._channel = Channel(ours)
+        self.pid = pid
+        self.shared = shared
+        self._channel = Channel(sock)
         self._timeout = stall_timeout + EXTRA_SECONDS
         self._stream: deque[tuple[Any, ...]] = deque()
         """Messages of the pass stream (batches, its end), in order."""
@@ -94,18 +96,41 @@ class ServiceClient(ProcessBound):
         self.pass_open = False
         """A pass was opened and has not ended, failed or been stopped."""
         self.last_stats: bytes | None = None
-        ours.settimeout(START_TIMEOUT)
+
+    @classmethod
+    def spawn(cls, code: bytes, packages: list[str], stall_timeout: float) -> ServiceClient:
+        """A loader service of this process's own, forked by its zygote."""
+        ours, theirs = socket.socketpair()
         try:
-            self._channel.send(ServiceInit(code, Environment.here()))
-            reply = self._channel.receive()
+            with theirs:
+                pid = Zygote.get().spawn_service(theirs, packages)
+        except BaseException:
+            ours.close()
+            raise
+        client = cls(ours, pid, stall_timeout)
+        try:
+            client.introduce(ServiceInit(code, Environment.here()))
         except (OSError, EOFError) as e:
+            raise LoaderError(f"the loader service (pid {pid}) did not start: {e}") from e
+        return client
+
+    def introduce(self, init: ServiceInit) -> None:
+        """Send the configuration; return once the service has built its Loader from it.
+        OSError or EOFError: the service went away before answering (closed here)."""
+        sock = self._channel.socket
+        sock.settimeout(START_TIMEOUT)
+        try:
+            self._channel.send(init)
+            reply = self._channel.receive()
+        except BaseException:
             self.close()
-            raise LoaderError(f"the loader service (pid {self.pid}) did not start: {e}") from e
+            raise
         if reply[0] != "ready":
             self.close()
             raise LoaderError(f"the loader service could not be set up: {reply[1]}") from (
-                RemoteTraceback(reply[2]))
-        ours.settimeout(self._timeout)
+                RemoteTraceback(reply[2]) if reply[2] else None)
+        self.pid = reply[1]
+        sock.settimeout(self._timeout)
 
     # -- the pass ---------------------------------------------------------------------------
 
@@ -278,20 +303,26 @@ class ServiceClient(ProcessBound):
     def _lost(self, error: BaseException) -> LoaderError:
         if self.closed:
             return LoaderError("the Loader was closed while a pass was running")
-        status = Zygote.get().exit_status(self.pid, 1.0) if not self.foreign else None
+        status = None if self.foreign or self.shared else Zygote.get().exit_status(self.pid, 1.0)
         how = "" if status is None else (
             f" (killed by {signal.Signals(-status).name})" if status < 0 else
             f" (exit status {status})")
         return LoaderError(f"lost the loader service (pid {self.pid}){how}: {error}")
 
     def close(self) -> None:
-        """End the service: its passes, decode processes and blocks go with it (bounded).
-        In a forked child, only let go of this copy of the socket."""
+        """End the service: its passes, decode processes and blocks go with it (bounded). A
+        node's service only ends this rank's passes (it ends itself after its last rank). In a
+        forked child, only let go of this copy of the socket."""
         if self.closed:
             return
         self.closed = True
         self._maps.clear()
         if self.foreign:
+            self._channel.close()
+            return
+        if self.shared:
+            with contextlib.suppress(OSError):
+                self._channel.socket.shutdown(socket.SHUT_RDWR)
             self._channel.close()
             return
         with contextlib.suppress(OSError):

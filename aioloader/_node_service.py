@@ -1,0 +1,242 @@
+"""A node's loader service (`service="node"`): one process serving every rank of a job that
+builds the same Loader.
+
+A rank starts it (`_runtime.node`), with the socket already listening; it serves each rank
+that connects as the process service serves its one client (`_service.Service`), but every
+rank's passes share what the node has once: the read budget (`concurrency`), the connection
+pools, the hedger and disk cache (`NodeShare.storage`), the decode processes (`num_workers`),
+whose waiting chunks go earliest step first, so the rank furthest behind is served first, and
+the shared-memory blocks, within `memory_limit`. Each rank's passes keep its own epoch, position
+and division: a rank gets exactly the batches its own Loader would.
+
+It admits only its own user (the peer's uid) and only the Loader it was started for (the
+fingerprint); it ends when its last rank leaves, and its zygote then ends its decode processes
+and removes their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import TextIO
+
+from ._config import LoaderConfig
+from ._errors import LoaderError
+from ._loader import Loader
+from ._loopthread import new_event_loop
+from ._runtime import autotune, node, shm
+from ._runtime.blocking import off_loop
+from ._runtime.channel import dumps, frame, read_message
+from ._runtime.decode import one_line
+from ._runtime.decoders import Decoder, PoolDecoder, SharedDecoder
+from ._runtime.service_client import ServiceInit
+from ._runtime.transport import BlockPool
+from ._runtime.zygote import START_TIMEOUT, Zygote
+from ._service import Service
+from .storage._storage import Storage
+
+
+class NodeShare:
+    """What every rank's passes share, built from the first rank's configuration in the
+    service's event loop. `node` is a Loader over it whose decode pool persists."""
+
+    def __init__(self, config: LoaderConfig, ranks: int) -> None:
+        self.ranks = ranks
+        self.node = Loader._in_service(dataclasses.replace(
+            config, rank=0, world_size=1, persistent_workers=True, shared_memory=False))
+        node = self.node
+        self.memory_per_rank = max(1, config.memory_limit // ranks)
+        self.reads = autotune.ReadLimit(config.concurrency)
+        self.storage = Storage(config.concurrency, config.retries, config.timeout,
+                               node._stats.storage, node.disk_cache, config.max_object_bytes,
+                               node._hedger or False)
+        self.blocks: BlockPool | None = None
+        if config.shared_memory and shm.available():
+            self.blocks = BlockPool(max_blocks=ranks * (node._decode_window()
+                                                        + node._prefetch_chunks() + 4),
+                                    max_bytes=config.memory_limit, export=True)
+        self._decoder: Decoder = node._decoder(0)
+        self.passes = 0
+        """Rank passes running now."""
+
+    def decoder(self) -> SharedDecoder:
+        """A new pass's use of the decode processes. Between the node's passes (no rank's
+        running), a decoder that failed is replaced and the restart budget starts again."""
+        if not self.passes:
+            failed = isinstance(self._decoder, PoolDecoder) and self._decoder.failure is not None
+            if failed:
+                old, self._decoder = self._decoder, self.node._decoder(0)
+                asyncio.get_running_loop().create_task(old.aclose())
+            elif isinstance(self._decoder, PoolDecoder):
+                self._decoder.restarts = 0
+        self.passes += 1
+        return SharedDecoder(self._decoder, self._pass_closed)
+
+    def _pass_closed(self) -> None:
+        self.passes -= 1
+
+    async def aclose(self) -> None:
+        try:
+            await self._decoder.aclose()
+            await self.storage.aclose()
+        finally:
+            await off_loop(self.node.close)
+            if self.blocks is not None:
+                self.blocks.close()
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the ranks' to handle
+    listening = socket.socket(fileno=int(sys.argv[1]))
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(_Node(listening, Path(sys.argv[2])).serve())
+    finally:
+        loop.close()
+    return 0
+
+
+class _Node:
+    def __init__(self, listening: socket.socket, path: Path) -> None:
+        self._listening = listening
+        self._path = path
+        self._inode = os.stat(path).st_ino
+        self._share: NodeShare | None = None
+        self._fingerprint = ""
+        self._setting_up = asyncio.Lock()
+        self._services: dict[int, Service] = {}
+        self._connections = 0
+        """Ranks connected, admitted or not yet."""
+        self._removed: dict[int, list[str]] = {}
+        """Per rank: blocks unlinked that it has not been told of (it may map any block)."""
+        self._ids = itertools.count()
+        self._arrived = asyncio.Event()
+        self._left = asyncio.Event()
+
+    async def serve(self) -> None:
+        warnings.showwarning = self._warn
+        self._listening.setblocking(False)
+        server = await asyncio.start_unix_server(self._connected, sock=self._listening)
+        try:
+            with contextlib.suppress(TimeoutError):  # a starter that died before connecting
+                await asyncio.wait_for(self._arrived.wait(), START_TIMEOUT)
+            while not await self._ended(server):
+                self._left.clear()
+                await self._left.wait()
+        finally:
+            server.close()
+            if self._share is not None:
+                await self._share.aclose()
+
+    async def _ended(self, server: asyncio.AbstractServer) -> bool:
+        """End once no rank is connected: stop listening, under the lock ranks start a service
+        with, and remove the socket unless a new service already took its place."""
+        if self._connections:
+            return False
+        lock = self._path.with_suffix(".lock")
+        with node.locked(lock):
+            if self._connections:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(self._path).st_ino == self._inode:
+                    self._path.unlink()
+            server.close()
+        return True
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                         ) -> None:
+        key = next(self._ids)
+        self._connections += 1
+        self._arrived.set()
+        loader: Loader | None = None
+        self._removed[key] = []
+        try:
+            loader = await self._admit(reader, writer)
+            if loader is None:
+                return
+            service = self._services[key] = Service(loader, lambda: self._take_removed(key))
+            await service.serve(reader, writer)
+        finally:
+            self._services.pop(key, None)
+            self._removed.pop(key, None)
+            if loader is not None:
+                await off_loop(loader.close)
+            writer.close()
+            self._connections -= 1
+            if not self._connections:
+                self._left.set()
+
+    async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                     ) -> Loader | None:
+        """The rank's Loader, once its peer and configuration are checked; None (refusal
+        sent) otherwise."""
+        try:
+            _check_peer(writer.get_extra_info("socket"))
+            init: ServiceInit = await asyncio.wait_for(read_message(reader), START_TIMEOUT)
+            async with self._setting_up:
+                loader = await self._rank_loader(init)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            return None
+        except Exception as e:
+            traceback.print_exc()  # into the service's log
+            writer.writelines(frame(dumps(("failed", one_line(e), ""))))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            return None
+        writer.writelines(frame(dumps(("ready", os.getpid()))))
+        await writer.drain()
+        return loader
+
+    async def _rank_loader(self, init: ServiceInit) -> Loader:
+        if self._share is None:
+            init.environment.take_on()
+            config: LoaderConfig = pickle.loads(init.code)
+            await off_loop(Zygote.get().preload, list(init.packages))
+            self._share = NodeShare(config, node.local_ranks())
+            self._fingerprint = init.fingerprint
+        elif init.fingerprint != self._fingerprint:
+            raise LoaderError(
+                "this node's loader service serves another configuration (fingerprint "
+                f"{self._fingerprint[:12]}, this rank's is {init.fingerprint[:12]})")
+        else:
+            config = pickle.loads(init.code)
+        return Loader._in_node(config, self._share)
+
+    def _take_removed(self, key: int) -> list[str]:
+        """Blocks unlinked since rank `key` was last told: every rank is told of each."""
+        share = self._share
+        fresh = share.blocks.take_removed() if share is not None and share.blocks else []
+        for pending in self._removed.values():
+            pending.extend(fresh)
+        taken, self._removed[key] = self._removed.get(key, []), []
+        return taken
+
+    def _warn(self, message: Warning | str, category: type[Warning], filename: str,
+              lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+        """A warning here (a decode process restarted) concerns every rank."""
+        for service in list(self._services.values()):
+            service.warn(message, category, filename, lineno, file, line)
+
+
+def _check_peer(sock: socket.socket) -> None:
+    """Refuse a peer of another user (the directory already keeps them out, but not root)."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", credentials)
+    if uid != os.getuid():
+        raise LoaderError(f"this loader service belongs to user {os.getuid()}; process {pid} "
+                          f"of user {uid} may not use it")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

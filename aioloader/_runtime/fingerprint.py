@@ -1,0 +1,97 @@
+"""What makes two Loaders "the same", as a digest every rank of a node computes alike.
+
+Pickles cannot say it: cloudpickle names each class and function it sends by value with a
+fresh id, and sets iterate in an order that changes with each process's hash seed. Here a value
+is described by what it is instead: plain data by value, sets sorted, a function by its module,
+name, code, defaults and closure, a class by its module and name, any other object by its type
+and the state it would pickle (`__reduce_ex__`).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import hashlib
+import types
+from typing import Any
+
+import numpy as np
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
+
+
+def fingerprint(value: Any) -> str:
+    digest = hashlib.sha256()
+    _describe(value, digest, set())
+    return digest.hexdigest()
+
+
+def _describe(value: Any, digest: Any, seen: set[int]) -> None:
+    def tag(text: str) -> None:
+        digest.update(text.encode() + b"\0")
+
+    if isinstance(value, _PLAIN):
+        tag(f"{type(value).__name__}:{value!r}")
+        return
+    if isinstance(value, np.ndarray):
+        tag(f"array:{value.dtype.str}:{value.shape}")
+        digest.update(np.ascontiguousarray(value).tobytes() if value.dtype != object else b"")
+        if value.dtype == object:
+            _describe(value.tolist(), digest, seen)
+        return
+    if isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType)):
+        tag(f"{type(value).__name__}:{getattr(value, '__module__', '')}."
+            f"{getattr(value, '__qualname__', getattr(value, '__name__', ''))}")
+        return
+    if id(value) in seen:
+        tag("again")  # a cycle, or an object met before
+        return
+    seen.add(id(value))
+    if isinstance(value, (list, tuple)):
+        tag(f"{type(value).__name__}:{len(value)}")
+        for item in value:
+            _describe(item, digest, seen)
+    elif isinstance(value, dict):
+        tag(f"dict:{len(value)}")
+        for key, item in sorted(value.items(), key=lambda pair: _alone(pair[0])):
+            _describe(key, digest, seen)
+            _describe(item, digest, seen)
+    elif isinstance(value, (set, frozenset)):
+        tag(f"set:{len(value)}")
+        for member in sorted(_alone(member) for member in value):
+            tag(member)
+    elif isinstance(value, types.FunctionType):
+        tag(f"function:{value.__module__}.{value.__qualname__}")
+        closure = [cell.cell_contents for cell in value.__closure__ or ()]
+        parts: list[Any] = [value.__code__, value.__defaults__, value.__kwdefaults__, closure]
+        for part in parts:
+            _describe(part, digest, seen)
+    elif isinstance(value, types.CodeType):
+        tag(f"code:{value.co_name}")
+        for code_part in (value.co_code, value.co_consts, value.co_names):
+            _describe(code_part, digest, seen)
+    elif isinstance(value, types.MethodType):
+        _describe(value.__func__, digest, seen)
+        _describe(value.__self__, digest, seen)
+    else:
+        tag(f"object:{type(value).__module__}.{type(value).__qualname__}")
+        _describe(_state(value), digest, seen)
+
+
+def _alone(value: Any) -> str:
+    """A member's own digest: the order of a set's members or a dict's keys."""
+    return fingerprint(value)
+
+
+def _state(value: Any) -> Any:
+    """What pickling `value` would keep of it, iterators made lists."""
+    try:
+        reduced = value.__reduce_ex__(4)
+    except Exception:
+        return None  # cannot travel anyway; the Loader says so when it is built
+    if isinstance(reduced, str):
+        return reduced
+    parts = list(reduced)
+    if parts and parts[0] is getattr(copyreg, "__newobj__", None):
+        parts = parts[1:]  # (cls, *args): the class is named already
+    return [list(part) if isinstance(part, types.GeneratorType) or hasattr(part, "__next__")
+            else part for part in parts]

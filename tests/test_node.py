@@ -1,0 +1,405 @@
+"""One loader service for every rank of a node (`service="node"`).
+
+Ranks are Loaders in this process and in processes of their own, as torchrun's environment
+names them; each compares what it gets with the Loader in the caller's process
+(`service=None`) and checks what is shared, what is refused, and what is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+from test_service import _epochs, _plain
+
+import aioloader
+from aioloader._runtime import node, shm
+from aioloader._runtime.channel import Channel
+from aioloader._runtime.decode import DecodeSpec
+from aioloader._runtime.decoders import PoolDecoder
+from aioloader._runtime.messages import Chunk, Environment
+from aioloader._runtime.pool import DecodePool
+from aioloader._runtime.service_client import ServiceInit
+
+from decoders import big_image, fail_on_seven, index_and_noise, stuck_on_five
+
+RANKS = 2
+
+
+@pytest.fixture(autouse=True)
+def job(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A job of its own for each test, as torchrun would name it (ranks started here inherit
+    it), so no test meets another's service."""
+    run_id = f"test-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(RANKS))
+    return run_id
+
+
+def _ranks(urls: list[str], service: str | None, **settings: Any) -> list[aioloader.Loader]:
+    options: dict[str, Any] = dict(decode=index_and_noise, batch_size=8, shuffle=True, seed=5,
+                                   num_workers=2, service=service)
+    options.update(settings)
+    return [aioloader.Loader(aioloader.Files(urls), rank=rank, world_size=RANKS, **options)
+            for rank in range(RANKS)]
+
+
+def _side_by_side(loaders: list[aioloader.Loader], epochs: int = 2) -> list[list[Any]]:
+    """Each rank's batches, epoch by epoch, taken in turns as DDP's steps take them."""
+    seen: list[list[Any]] = [[] for _ in loaders]
+    for epoch in range(epochs):
+        for loader in loaders:
+            loader.set_epoch(epoch)
+        for batches in zip(*loaders, strict=True):
+            for rank, batch in enumerate(batches):
+                seen[rank].append(_plain(batch))
+    return seen
+
+
+def _service_pid(loader: aioloader.Loader) -> int:
+    client = loader._service._client
+    assert client is not None
+    return client.pid
+
+
+def _wait_gone(pid: int, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the node's loader service (pid {pid}) still runs {seconds:g} s later")
+
+
+def _segments_of(pid: int) -> list[str]:
+    return [name for name in os.listdir(shm.SHM_DIR) if name.startswith(shm.prefix(pid))]
+
+
+def test_every_rank_gets_the_batches_its_own_loader_gives_from_one_service(
+    urls: list[str], leak_check: None
+) -> None:
+    alone = _ranks(urls, None)
+    expected = _side_by_side(alone)
+    for loader in alone:
+        loader.close()
+    served = _ranks(urls, "node")
+    try:
+        assert _side_by_side(served) == expected
+        pids = {_service_pid(loader) for loader in served}
+        assert len(pids) == 1, "the ranks were served by more than one service"
+        assert pids != {os.getpid()}
+        for loader in served:  # each rank's wait is its own
+            assert loader.stats.batches == len(expected[0])
+            assert loader.stats.consumer_wait.count == len(expected[0])
+    finally:
+        for loader in served:
+            loader.close()
+    (pid,) = pids
+    _wait_gone(pid)
+    assert not _segments_of(pid)
+
+
+def test_a_node_rank_resumes_breaks_and_raises_as_its_own_loader_does(urls: list[str]) -> None:
+    ranks = _ranks(urls, "node")
+    try:
+        first = ranks[0]
+        for n, _ in enumerate(first):
+            if n == 2:
+                state = first.state_dict()
+                break
+        first.load_state_dict(state)  # a break, then a resumed pass
+        rest = [_plain(batch) for batch in first]
+        with aioloader.Loader(aioloader.Files(urls), decode=index_and_noise, batch_size=8,
+                              shuffle=True, seed=5, rank=0, world_size=RANKS,
+                              service=None) as alone:
+            alone.load_state_dict(state)
+            assert rest == [_plain(batch) for batch in alone]
+        assert [_plain(batch) for batch in ranks[1]] == _epochs(ranks[1], 1)[0]
+    finally:
+        for loader in ranks:
+            loader.close()
+    outcomes = {}
+    for service in (None, "node"):
+        failing = _ranks(urls[:40], service, decode=fail_on_seven, shuffle=False)
+        try:
+            outcomes[service] = [_outcome(loader) for loader in failing]
+        finally:
+            for loader in failing:
+                loader.close()
+    assert outcomes["node"] == outcomes[None]
+    assert any("sample seven is cursed" in str(outcome) for outcome in outcomes[None])
+
+
+def _outcome(loader: aioloader.Loader) -> list[Any]:
+    """The batches a rank got, then the error it raised, by type and message."""
+    got: list[Any] = []
+    try:
+        for batch in loader:
+            got.append(_plain(batch))
+    except aioloader.LoaderError as e:
+        got.append((type(e).__name__, str(e)))
+    return got
+
+
+def test_close_from_another_thread_stops_a_node_rank_and_spares_the_other(
+    urls: list[str], leak_check: None
+) -> None:
+    ranks = _ranks(urls, "node", decode=stuck_on_five, batch_size=10, shuffle=False)
+    with aioloader.Loader(aioloader.Files(urls), batch_size=10, rank=1, world_size=RANKS,
+                          service=None) as alone:
+        five_in_rank_one = any(5 in _plain(batch) for batch in alone)
+    stuck, other = ranks[::-1] if five_in_rank_one else ranks
+    try:
+        assert len([_plain(b) for b in other]) == 5
+        threading.Timer(1.0, stuck.close).start()
+        with pytest.raises(aioloader.LoaderError, match="closed"):
+            list(stuck)
+    finally:
+        stuck.close()
+        other.close()
+
+
+RANK = """
+import json, os, signal, sys
+sys.path.insert(0, {tests!r})
+import aioloader
+from decoders import index_and_noise
+rank, die_after = {rank}, {die_after}
+loader = aioloader.Loader(aioloader.Files({urls!r}), decode=index_and_noise, batch_size={batch},
+                          shuffle=True, seed=5, rank=rank, world_size={world}, num_workers=2,
+                          service="node")
+for n, batch in enumerate(loader):
+    if n == die_after:
+        print("pid", loader._service._client.pid, flush=True)
+        input()  # the test kills this rank here
+    print(json.dumps({{"index": batch["index"].tolist(),
+                       "noise": batch["noise"].tolist()}}), flush=True)
+print("done", flush=True)
+"""
+
+
+def _rank_process(urls: list[str], rank: int, die_after: int = -1, batch: int = 8,
+                  world: int = RANKS) -> subprocess.Popen[str]:
+    script = RANK.format(tests=str(Path(__file__).parent), urls=urls, rank=rank,
+                         die_after=die_after, batch=batch, world=world)
+    return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def _lines(process: subprocess.Popen[str]) -> Iterator[str]:
+    assert process.stdout is not None
+    yield from (line.strip() for line in process.stdout)
+
+
+def test_a_rank_that_dies_costs_the_others_nothing_and_the_last_ends_the_service(
+    urls: list[str],
+) -> None:
+    dying = _rank_process(urls, rank=0, die_after=3)
+    survivor = _rank_process(urls, rank=1)
+    try:
+        lines = _lines(dying)
+        while not (line := next(lines)).startswith("pid"):
+            pass
+        pid = int(line.split()[1])
+        dying.kill()
+        dying.wait(10)
+        got = [json.loads(line) for line in _lines(survivor) if line != "done"]
+        assert survivor.wait(60) == 0
+    finally:
+        for process in (dying, survivor):
+            process.kill()
+            process.wait(10)
+    with aioloader.Loader(aioloader.Files(urls), decode=index_and_noise, batch_size=8,
+                          shuffle=True, seed=5, rank=1, world_size=RANKS, service=None) as alone:
+        assert got == [_plain(batch) for batch in alone]
+    _wait_gone(pid)
+    assert not _segments_of(pid)
+
+
+def test_a_sigkilled_last_rank_takes_the_service_and_its_blocks_with_it(
+    urls: list[str],
+) -> None:
+    rank = _rank_process(urls, rank=0, die_after=2, world=1)
+    try:
+        lines = _lines(rank)
+        while not (line := next(lines)).startswith("pid"):
+            pass
+        pid = int(line.split()[1])
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        assert len(family) >= 3, "no decode processes under the node's service"
+    finally:
+        rank.send_signal(signal.SIGKILL)
+        rank.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive and not _segments_of(pid):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"left behind: processes {alive}, segments {_segments_of(pid)}")
+
+
+def test_a_rank_with_another_configuration_gets_its_own_service_and_batches(
+    urls: list[str], leak_check: None
+) -> None:
+    ranks = _ranks(urls, "node")
+    other = aioloader.Loader(aioloader.Files(urls), decode=index_and_noise, batch_size=5,
+                             shuffle=True, seed=5, rank=1, world_size=RANKS, service="node")
+    try:
+        got = [_plain(batch) for batch in other]
+        list(ranks[0])
+        assert _service_pid(other) != _service_pid(ranks[0])
+    finally:
+        for loader in [*ranks, other]:
+            loader.close()
+    with aioloader.Loader(aioloader.Files(urls), decode=index_and_noise, batch_size=5,
+                          shuffle=True, seed=5, rank=1, world_size=RANKS, service=None) as alone:
+        assert got == [_plain(batch) for batch in alone]
+
+
+def test_a_service_refuses_a_rank_whose_fingerprint_differs(urls: list[str]) -> None:
+    """Two configurations never meet at one socket; should they (a name collision), the
+    service says so rather than serve one's batches to the other."""
+    (rank, _) = _ranks(urls, "node")
+    try:
+        list(rank)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(30)
+        sock.connect(_socket_of(rank))
+        channel = Channel(sock)
+        channel.send(ServiceInit(rank._service.code, Environment.here(), "f" * 64))
+        reply = channel.receive()
+        channel.close()
+        assert reply[0] == "failed" and "another configuration" in reply[1]
+    finally:
+        rank.close()
+
+
+def _socket_of(loader: aioloader.Loader) -> str:
+    (path,) = [p for p in node.private_directory().glob("*.sock")
+               if _listening_pid(p) == _service_pid(loader)]
+    return str(path)
+
+
+def _listening_pid(path: Path) -> int | None:
+    for process in psutil.process_iter():
+        try:
+            if any(c.laddr == str(path) for c in process.net_connections(kind="unix")):
+                return process.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def _connect_as_nobody(path: str) -> str:
+    """Connect to `path` from a forked child that became user nobody; what it met."""
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        os.close(read)
+        outcome = "connected"
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(path)
+            channel = Channel(sock)
+            channel.send(ServiceInit(b"", Environment.here()))
+            outcome = "reply: " + str(channel.receive())
+        except BaseException as e:
+            outcome = f"{type(e).__name__}: {e}"
+        os.write(write, outcome.encode()[:4000])
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        outcome = pipe.read()
+    os.waitpid(child, 0)
+    return outcome
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a second user needs root to become one")
+def test_another_user_cannot_reach_or_use_a_nodes_service(urls: list[str]) -> None:
+    (rank, _) = _ranks(urls, "node")
+    try:
+        list(rank)
+        path = _socket_of(rank)
+        folder = Path(path).parent
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+        assert _connect_as_nobody(path).startswith("PermissionError")
+        folder.chmod(0o711)  # opened by mistake: the service still checks who is calling
+        os.chmod(path, 0o777)
+        try:
+            outcome = _connect_as_nobody(path)
+        finally:
+            folder.chmod(0o700)
+        assert outcome.startswith("reply: ('failed'") and "user 65534" in outcome
+        assert [_plain(batch) for batch in rank]  # the owner is still served
+    finally:
+        rank.close()
+
+
+def test_a_directory_others_may_enter_is_refused(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    folder = tmp_path / f"aioloader-{os.getuid()}"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    with pytest.raises(aioloader.LoaderError, match="no one else may enter"):
+        node.private_directory()
+
+
+def _record_order(raw: int) -> int:
+    time.sleep(0.05)
+    with open(os.environ["ORDER_FILE"], "a") as order:
+        order.write(f"{raw}\n")
+    return raw
+
+
+async def _decode_in_steps(steps: list[int]) -> None:
+    spec = DecodeSpec(_record_order, None, False, 0, None, None, None, 1)
+    pool = DecodePool(spec, 1, 0, None)
+    decoder = PoolDecoder(lambda: pool, True, None, 0, False, lambda _: None)
+    try:
+        await asyncio.gather(*(decoder.decode(Chunk(0, [step], [step], None, step))
+                               for step in steps))
+    finally:
+        await decoder.aclose()
+
+
+def test_the_decode_pool_runs_the_earliest_step_first(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Of several ranks' chunks waiting, the one of the rank furthest behind goes first."""
+    order_file = tmp_path / "order"
+    monkeypatch.setenv("ORDER_FILE", str(order_file))
+    asyncio.run(_decode_in_steps([9, 2, 7, 0, 5, 1]))
+    assert [int(line) for line in order_file.read_text().split()] == [0, 1, 2, 5, 7, 9]
+
+
+def test_node_batches_are_views_of_shared_memory(urls: list[str]) -> None:
+    ranks = _ranks(urls, "node", decode=big_image)
+    try:
+        batch = next(iter(ranks[0]))
+        assert isinstance(batch, np.ndarray) and batch.base is not None
+    finally:
+        for loader in ranks:
+            loader.close()
+
