@@ -20,7 +20,7 @@ server), start-up and warm-up included, over all the samples delivered, and the 
 without a loader (start-up, the steps' sleep and all_reduce); and the p99 over steps of the
 slowest rank's wait for its next batch.
 
-    python benchmarks/node.py [--steps 100] [--quick]
+    python benchmarks/node.py [--steps 80] [--quick]
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Result:
     def workers_text(self) -> str:
         if self.kind == "none":
             return "-"
-        return f"{self.workers} node" if self.kind == "b" else f"{self.workers}/rank"
+        return f"{self.workers}/node" if self.kind == "b" else f"{self.workers}/rank"
 
 
 def become_subreaper() -> None:
@@ -261,11 +261,13 @@ def report(results: list[Result], args: argparse.Namespace, image_bytes: float) 
     print(f"\n{RANKS} ranks (torchrun, gloo, all_reduce per step) on {cores} cores; "
           f"{args.images} distinct {IMAGE}x{IMAGE} JPEGs (~{image_bytes / 1024:.0f} KB) over HTTP "
           f"at {args.latency_ms:g} ms; decode + crop {CROP} + flip; batch {args.batch}; "
-          f"step = {args.step_ms:g} ms sleep; {args.warmup} warm-up + {args.steps} timed steps")
+          f"step = {args.step_ms:g} ms sleep; {args.warmup} warm-up + {args.steps} timed steps; "
+          f"concurrency {PER_RANK_CONCURRENCY} per rank, {PER_RANK_CONCURRENCY * RANKS} for "
+          "the node")
     print("CPU: every process of the run, start-up and warm-up included, per sample delivered; "
           "'net' less the run without a loader")
     baseline = best(results, "none")
-    print(f"{'configuration':<42}{'workers':>9}{'samples/s':>11}{'CPU ms/s':>10}"
+    print(f"{'configuration':<42}{'workers':>9}{'samples/s':>11}{'CPU ms/sample':>15}"
           f"{'net':>7}{'p99 slowest wait ms':>21}")
     for kind in ("a", "b", "c"):
         chosen = best(results, kind)
@@ -274,7 +276,7 @@ def report(results: list[Result], args: argparse.Namespace, image_bytes: float) 
                 print(f"{NAMES[kind]:<42}{r.workers_text:>9}  failed: {r.error}")
                 continue
             net = r.cpu - baseline.cpu if baseline else float("nan")
-            print(f"{NAMES[kind]:<42}{r.workers_text:>9}{r.rate:>11.0f}{r.cpu * 1e3:>10.2f}"
+            print(f"{NAMES[kind]:<42}{r.workers_text:>9}{r.rate:>11.0f}{r.cpu * 1e3:>15.2f}"
                   f"{net * 1e3:>7.2f}{r.p99_wait * 1e3:>21.1f}{'  *' if r is chosen else ''}")
     if baseline:
         print(f"no loader: {baseline.cpu * 1e3:.2f} CPU ms per sample (start-up and trainers)")
@@ -294,7 +296,7 @@ def numbers(text: str) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=80, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--images", type=int, default=512, help="distinct JPEGs")

@@ -1,6 +1,6 @@
 """DDP on tar shards (or Parquet row groups) of uneven sizes, resumed on another number of ranks.
 
-    python examples/distributed_tar_shards.py --out results/ [--format parquet]
+    python examples/distributed_tar_shards.py --out results/ [--format parquet] [--service node]
 
 writes scikit-learn's handwritten digits into 9 WebDataset tar shards of uneven sizes (or 9
 Parquet files whose row groups are as uneven), serves
@@ -10,7 +10,8 @@ third, where rank 0 saves a checkpoint (the model and `loader.state_dict()`); th
 resume from it and finish. Every rank takes the same number of steps in every epoch (an epoch
 divides by samples, not shards), and the resumed epoch skips nothing. Mid-epoch, rank 0 forks a
 child that exits at once (as a checkpoint writer or a logging helper would): training goes on.
-Each rank writes the samples it saw per epoch.
+Each rank writes the samples it saw per epoch. With `--service node`, one loader service
+serves every rank (else each rank has its own).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def write_shards(folder: Path, format: str) -> list[str]:
     return names
 
 
-def train(urls: list[str], epochs: int, out: Path, stop_after: int | None,
+def train(urls: list[str], service: Literal["process", "node"], epochs: int, out: Path, stop_after: int | None,
           resume: Path | None) -> None:
     import torch
     import torch.distributed as dist
@@ -83,7 +84,7 @@ def train(urls: list[str], epochs: int, out: Path, stop_after: int | None,
     data = (aioloader.Parquet(urls, shuffle_window=2) if urls[0].endswith(".parquet")
             else aioloader.TarShards(urls, shuffle_buffer=100))
     loader = aioloader.Loader(data, decode=decode_digit, batch_size=16, shuffle=True, seed=1,
-                              num_workers=1)
+                              num_workers=1, service=service)
     first_epoch = 0
     if resume is not None:
         checkpoint = torch.load(resume)
@@ -134,7 +135,7 @@ def torchrun(ranks: int, *arguments: str) -> None:
     subprocess.run(command, check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def launch(out: Path, format: str) -> None:
+def launch(out: Path, format: str, service: str) -> None:
     """Two ranks for epochs 0, 1 and 6 steps of 2; three ranks resume and finish epoch 2."""
     from aioloader.testing import TestServer
 
@@ -143,7 +144,7 @@ def launch(out: Path, format: str) -> None:
         names = write_shards(Path(folder), format)
         with TestServer(folder, latency_ms=5) as server:
             urls = ",".join(server.url + name for name in names)
-            common = ["--urls", urls, "--out", str(out), "--epochs", "3"]
+            common = ["--urls", urls, "--out", str(out), "--epochs", "3", "--service", service]
             torchrun(2, *common, "--stop-after", "6")
             torchrun(3, *common, "--resume", str(out / "checkpoint.pt"))
     for world_size in (2, 3):
@@ -157,15 +158,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("distributed-tar-shards"))
     parser.add_argument("--format", choices=["tar", "parquet"], default="tar")
+    parser.add_argument("--service", choices=["process", "node"], default="process",
+                        help="a loader service per rank, or one for the node's ranks")
     parser.add_argument("--urls", help="set by the launcher: the shards, comma-separated")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--resume", type=Path, default=None)
     args = parser.parse_args()
     if args.urls:
-        train(args.urls.split(","), args.epochs, args.out, args.stop_after, args.resume)
+        train(args.urls.split(","), args.service, args.epochs, args.out, args.stop_after,
+              args.resume)
     else:
-        launch(args.out, args.format)
+        launch(args.out, args.format, args.service)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,9 @@ def test_executor_and_worker_init_do_not_mix(urls: list[str]) -> None:
         aioloader.Loader(aioloader.Files(urls), executor=executor, worker_init=print)
 
 
-@pytest.mark.parametrize("format", ["tar", "parquet"])
+@pytest.mark.parametrize(("format", "service"), [("tar", "process"), ("parquet", "node")])
 def test_torchrun_on_uneven_shards_steps_together_resumes_on_three_ranks_and_survives_a_fork(
-    tmp_path: Path, format: str
+    tmp_path: Path, format: str, service: str
 ) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
@@ -71,7 +71,7 @@ def test_torchrun_on_uneven_shards_steps_together_resumes_on_three_ranks_and_sur
         pytest.importorskip("pyarrow")
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "distributed_tar_shards.py"),
-         "--out", str(tmp_path), "--format", format],
+         "--out", str(tmp_path), "--format", format, "--service", service],
         check=True, timeout=400, capture_output=True,
     )
 

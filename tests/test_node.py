@@ -403,3 +403,43 @@ def test_node_batches_are_views_of_shared_memory(urls: list[str]) -> None:
         for loader in ranks:
             loader.close()
 
+
+
+FINGERPRINT = """
+import sys
+sys.path.insert(0, {tests!r})
+import aioloader
+from aioloader._runtime.fingerprint import fingerprint
+
+
+class Squares(aioloader.Dataset):
+    def __init__(self):
+        self.names = {{"a", "bb", "ccc", "dddd"}}
+        self.paths = {paths!r}
+    def __len__(self):
+        return 4
+    async def fetch(self, index):
+        return index
+
+
+files = aioloader.Files({paths!r})
+loader = aioloader.Loader(Squares(), decode=lambda raw: raw + 1, rank={rank}, world_size=2,
+                          service="node")
+print(loader._service.fingerprint,
+      fingerprint([files, Squares(), {{"x": (1, 2.5, None)}}, lambda v: v * 2]))
+"""
+
+
+def test_a_fingerprint_is_the_same_in_every_rank_whatever_its_hash_seed(
+    local_paths: list[str],
+) -> None:
+    """Pickles differ from process to process (fresh ids for classes sent by value, sets in
+    hash order); the fingerprint ranks meet by must not."""
+    seen = set()
+    for seed, rank in ((1, 0), (2, 1), (3, 1)):
+        script = FINGERPRINT.format(tests=str(Path(__file__).parent), paths=local_paths[:3],
+                                    rank=rank)
+        seen.add(subprocess.run([sys.executable, "-c", script], check=True, timeout=60,
+                                capture_output=True, text=True,
+                                env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout)
+    assert len(seen) == 1

@@ -63,7 +63,8 @@ class Channel:
         sent = self.socket.sendmsg([head, data], descriptors)
         if sent < len(head):
             self.socket.sendall(head[sent:])
-        self.socket.sendall(memoryview(data)[max(0, sent - len(head)):])
+        if sent < len(head) + len(data):  # nothing more to send must not meet a closed peer
+            self.socket.sendall(memoryview(data)[max(0, sent - len(head)):])
 
     def receive(self) -> Any:
         """The next message; EOFError once the other side has closed or died. A small

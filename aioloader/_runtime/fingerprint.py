@@ -21,11 +21,13 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, bytearray)
 
 def fingerprint(value: Any) -> str:
     digest = hashlib.sha256()
-    _describe(value, digest, set())
+    _describe(value, digest, {})
     return digest.hexdigest()
 
 
-def _describe(value: Any, digest: Any, seen: set[int]) -> None:
+def _describe(value: Any, digest: Any, seen: dict[int, Any]) -> None:
+    """Feed `value` to `digest`. `seen` holds what was met (kept alive, so that no id is
+    reused by a temporary made on the way: the state of an object, say)."""
     def tag(text: str) -> None:
         digest.update(text.encode() + b"\0")
 
@@ -45,7 +47,7 @@ def _describe(value: Any, digest: Any, seen: set[int]) -> None:
     if id(value) in seen:
         tag("again")  # a cycle, or an object met before
         return
-    seen.add(id(value))
+    seen[id(value)] = value
     if isinstance(value, (list, tuple)):
         tag(f"{type(value).__name__}:{len(value)}")
         for item in value:

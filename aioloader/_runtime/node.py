@@ -27,8 +27,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import aioloader
-
 from .._errors import LoaderError
 from .messages import Environment
 from .service_client import ServiceClient, ServiceInit
@@ -117,7 +115,7 @@ def _start(path: Path) -> socket.socket:
     try:
         listening.bind(str(path))
         listening.listen(64)
-        package_root = str(Path(aioloader.__file__).parent.parent)
+        package_root = str(Path(__file__).resolve().parents[2])  # where aioloader is
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         with open(path.with_suffix(".log"), "ab") as log:  # what it says, should it fail
