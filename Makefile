@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/reduced_decode.py
 	$(BIN)/python benchmarks/gil.py
+	$(BIN)/python benchmarks/node.py
 
 # the streaming loaders aioloader is compared with, and HF datasets, in a venv of their own
 PEERS := .venv-peers

@@ -136,8 +136,10 @@ class Loader(Closing, AsyncClosing):
             One slow answer in a hundred then stops costing a second of the epoch.
         service: "process" runs the passes (reads, decode scheduling, hand-over) in a loader
             process beside this one, so a training step holding the GIL does not slow them;
-            batches arrive as views of shared memory. None keeps the event loop in this
-            process. Default: "process" with decode processes, else None (pdb works).
+            batches arrive as views of shared memory. "node": one loader process for every
+            rank of the node (torchrun's job) that builds the same Loader; `concurrency`,
+            `num_workers` and `memory_limit` are then the node's. None keeps the event loop
+            in this process. Default: "process" with decode processes, else None (pdb works).
     """
 
     def __init__(

@@ -251,12 +251,25 @@ def jpeg_names(folder: Path, args: argparse.Namespace) -> tuple[list[str], list[
     return [name for name, _ in chosen], [label for _, label in chosen]
 
 
+def decode_ceiling(folder: Path, names: list[str]) -> float:
+    """Samples/s the machine's cores could decode at most: one process's rate of the same
+    decode (measured here, for about 2 s) times the cores."""
+    raws = [(folder / name).read_bytes() for name in sorted(set(names))]
+    rng = np.random.default_rng(0)
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < 2.0:
+        crop_and_flip((raws[done % len(raws)], 0), rng)
+        done += 1
+    return len(os.sched_getaffinity(0)) * done / (time.perf_counter() - started)
+
+
 def best(results: list[Result], kind: str) -> Result | None:
     ran = [r for r in results if r.kind == kind and not r.error]
     return max(ran, key=lambda r: r.rate) if ran else None
 
 
-def report(results: list[Result], args: argparse.Namespace, image_bytes: float) -> None:
+def report(results: list[Result], args: argparse.Namespace, image_bytes: float,
+           ceiling: float) -> None:
     cores = len(os.sched_getaffinity(0))
     print(f"\n{RANKS} ranks (torchrun, gloo, all_reduce per step) on {cores} cores; "
           f"{args.images} distinct {IMAGE}x{IMAGE} JPEGs (~{image_bytes / 1024:.0f} KB) over HTTP "
@@ -280,6 +293,8 @@ def report(results: list[Result], args: argparse.Namespace, image_bytes: float) 
                   f"{net * 1e3:>7.2f}{r.p99_wait * 1e3:>21.1f}{'  *' if r is chosen else ''}")
     if baseline:
         print(f"no loader: {baseline.cpu * 1e3:.2f} CPU ms per sample (start-up and trainers)")
+    print(f"ceiling: {ceiling:.0f} samples/s ({cores} cores x one process's decode rate, with "
+          "nothing else running)")
     print("* the best worker count of each configuration, compared below")
     a, b = best(results, "a"), best(results, "b")
     if a and b:
@@ -324,6 +339,7 @@ def main() -> None:
         names, labels = jpeg_names(folder / "images", args)
         image_bytes = float(np.mean([(folder / "images" / n).stat().st_size
                                      for n in set(names)]))
+        ceiling = decode_ceiling(folder / "images", names)
         results = []
         with TestServer(folder / "images", latency_ms=args.latency_ms) as server:
             data = {"urls": [server.url + n for n in names], "labels": labels}
@@ -334,7 +350,7 @@ def main() -> None:
                       + (f"failed: {result.error}" if result.error else
                          f"{result.rate:.0f} samples/s, {result.cpu * 1e3:.2f} CPU ms/sample, "
                          f"p99 slowest wait {result.p99_wait * 1e3:.1f} ms"), flush=True)
-    report(results, args, image_bytes)
+    report(results, args, image_bytes, ceiling)
 
 
 if __name__ == "__main__":
