@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
@@ -62,6 +62,7 @@ from ._sampling import (
     steps_in_epoch,
 )
 from ._stats import LoaderStats, now
+from .storage._counters import StorageCounters
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._diskcache import DiskCache
 from .storage._hedge import Hedger
@@ -69,14 +70,24 @@ from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
 from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT
 from .storage._storage import Storage
 
-if TYPE_CHECKING:
-    from ._node_service import NodeShare
-
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
 READ_AHEAD_PER_READ = 32
 """Samples read ahead of the decode stage per read in flight (bounded by memory_limit too)."""
 CLOSE_WAIT_SECONDS = 5.0
+
+
+class NodeShare(Protocol):
+    """What a node's loader service shares among its ranks' passes (`_node_service`)."""
+
+    reads: autotune.ReadLimit
+    storage: Storage
+    blocks: BlockPool | None
+    disk_cache: DiskCache | None
+    counters: StorageCounters
+    memory_per_rank: int
+
+    def decoder(self) -> Decoder: ...
 
 
 class Loader(Closing, AsyncClosing):
@@ -238,11 +249,11 @@ class Loader(Closing, AsyncClosing):
         self.cache = config.cache
         self.disk_cache: DiskCache | None = None
         if share is not None:
-            self.disk_cache = share.node.disk_cache
+            self.disk_cache = share.disk_cache
         elif config.cache_dir is not None:
             self.disk_cache = DiskCache(config.cache_dir, config.cache_limit)
         if share is not None:
-            self._stats.storage = share.node._stats.storage
+            self._stats.storage = share.counters
         self._stats.cache_reports = [c.report for c in (self.cache, self.disk_cache)
                                     if c is not None]
         self._stats.source_shares = getattr(dataset, "shares", None)

@@ -40,6 +40,7 @@ from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps, frame, read_message
 from ._runtime.decode import one_line
 from ._runtime.decoders import Decoder, PoolDecoder, SharedDecoder
+from ._runtime.messages import Chunk
 from ._runtime.service_client import ServiceInit
 from ._runtime.transport import BlockPool
 from ._runtime.zygote import START_TIMEOUT, Zygote
@@ -48,8 +49,9 @@ from .storage._storage import Storage
 
 
 class NodeShare:
-    """What every rank's passes share, built from the first rank's configuration in the
-    service's event loop. `node` is a Loader over it whose decode pool persists."""
+    """What every rank's passes share (`_loader.NodeShare`), built from the first rank's
+    configuration in the service's event loop. `node` is a Loader over it whose decode pool
+    persists."""
 
     def __init__(self, config: LoaderConfig, ranks: int) -> None:
         self.ranks = ranks
@@ -57,6 +59,8 @@ class NodeShare:
             config, rank=0, world_size=1, persistent_workers=True, shared_memory=False))
         node = self.node
         self.memory_per_rank = max(1, config.memory_limit // ranks)
+        self.disk_cache = node.disk_cache
+        self.counters = node._stats.storage
         self.reads = autotune.ReadLimit(config.concurrency)
         self.storage = Storage(config.concurrency, config.retries, config.timeout,
                                node._stats.storage, node.disk_cache, config.max_object_bytes,
@@ -66,25 +70,31 @@ class NodeShare:
             self.blocks = BlockPool(max_blocks=ranks * (node._decode_window()
                                                         + node._prefetch_chunks() + 4),
                                     max_bytes=config.memory_limit, export=True)
-        self._decoder: Decoder = node._decoder(0)
-        self.passes = 0
-        """Rank passes running now."""
+        self._decoder = self._pool_decoder()
 
     def decoder(self) -> SharedDecoder:
-        """A new pass's use of the decode processes. Between the node's passes (no rank's
-        running), a decoder that failed is replaced and the restart budget starts again."""
-        if not self.passes:
-            failed = isinstance(self._decoder, PoolDecoder) and self._decoder.failure is not None
-            if failed:
-                old, self._decoder = self._decoder, self.node._decoder(0)
+        """A new pass's use of the decode processes. A decoder that failed (its processes
+        did not start, or died past the budget: every pass on it failed too) is replaced; the
+        restart budget starts again with each pass, as a Loader's own does."""
+        if isinstance(self._decoder, PoolDecoder):
+            if self._decoder.failure is not None:
+                old, self._decoder = self._decoder, self._pool_decoder()
                 asyncio.get_running_loop().create_task(old.aclose())
-            elif isinstance(self._decoder, PoolDecoder):
+            else:
                 self._decoder.restarts = 0
-        self.passes += 1
-        return SharedDecoder(self._decoder, self._pass_closed)
+        return SharedDecoder(self._decoder)
 
-    def _pass_closed(self) -> None:
-        self.passes -= 1
+    def _pool_decoder(self) -> Decoder:
+        decoder = self.node._decoder(0)
+        if isinstance(decoder, PoolDecoder):
+            decoder.on_ignored = self._drop_block
+        return decoder
+
+    def _drop_block(self, chunk: Chunk) -> None:
+        """A result nobody waits for (its pass ended) came back: its block, which its process
+        may have created after the pass unlinked it, goes now."""
+        if chunk.slot is not None and self.blocks is not None:
+            self.blocks.retire(chunk.slot.name)
 
     async def aclose(self) -> None:
         try:
@@ -123,6 +133,8 @@ class _Node:
         self._ids = itertools.count()
         self._arrived = asyncio.Event()
         self._left = asyncio.Event()
+        self._ending = False
+        """Set once it stopped listening: a rank accepted just before is turned away."""
 
     async def serve(self) -> None:
         warnings.showwarning = self._warn
@@ -152,10 +164,18 @@ class _Node:
                 if os.stat(self._path).st_ino == self._inode:
                     self._path.unlink()
             server.close()
+            self._ending = True
+        log = self._path.with_suffix(".log")
+        with contextlib.suppress(OSError):
+            if log.stat().st_size == 0:  # nothing went wrong: nothing to keep
+                log.unlink()
         return True
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
                          ) -> None:
+        if self._ending:  # the rank sees its connection end before "ready", and looks again
+            writer.close()
+            return
         key = next(self._ids)
         self._connections += 1
         self._arrived.set()
@@ -165,7 +185,8 @@ class _Node:
             loader = await self._admit(reader, writer)
             if loader is None:
                 return
-            service = self._services[key] = Service(loader, lambda: self._take_removed(key))
+            service = self._services[key] = Service(
+                loader, lambda: self._take_removed(key), own_process=False)
             await service.serve(reader, writer)
         finally:
             self._services.pop(key, None)
@@ -181,22 +202,25 @@ class _Node:
                      ) -> Loader | None:
         """The rank's Loader, once its peer and configuration are checked; None (refusal
         sent) otherwise."""
+        loader = None
         try:
             _check_peer(writer.get_extra_info("socket"))
             init: ServiceInit = await asyncio.wait_for(read_message(reader), START_TIMEOUT)
             async with self._setting_up:
                 loader = await self._rank_loader(init)
+            writer.writelines(frame(dumps(("ready", os.getpid()))))
+            await writer.drain()
+            return loader
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
-            return None
+            pass
         except Exception as e:
             traceback.print_exc()  # into the service's log
             writer.writelines(frame(dumps(("failed", one_line(e), ""))))
             with contextlib.suppress(ConnectionError):
                 await writer.drain()
-            return None
-        writer.writelines(frame(dumps(("ready", os.getpid()))))
-        await writer.drain()
-        return loader
+        if loader is not None:
+            await off_loop(loader.close)
+        return None
 
     async def _rank_loader(self, init: ServiceInit) -> Loader:
         if self._share is None:
@@ -209,8 +233,8 @@ class _Node:
             raise LoaderError(
                 "this node's loader service serves another configuration (fingerprint "
                 f"{self._fingerprint[:12]}, this rank's is {init.fingerprint[:12]})")
-        else:
-            config = pickle.loads(init.code)
+        else:  # a large dataset takes a while: the other ranks' passes go on meanwhile
+            config = await off_loop(pickle.loads, init.code)
         return Loader._in_node(config, self._share)
 
     def _take_removed(self, key: int) -> list[str]:

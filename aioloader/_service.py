@@ -15,6 +15,7 @@ client's side and the protocol are in `_runtime.service_client`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import pickle
@@ -75,11 +76,17 @@ async def _serve_socket(service: Service, sock: socket.socket) -> None:
 
 class Service:
     """One client's passes, one at a time, over a Loader built in this process.
-    `take_removed` gives the blocks unlinked since the client was last told."""
+    `take_removed` gives the blocks unlinked since the client was last told. `own_process`:
+    the process is this client's alone, so each pass takes on the client's environment (a
+    node's service keeps the first rank's: its ranks' passes run side by side)."""
 
-    def __init__(self, loader: Loader, take_removed: Callable[[], list[str]]) -> None:
+    def __init__(self, loader: Loader, take_removed: Callable[[], list[str]],
+                 own_process: bool = True) -> None:
         self._loader = loader
         self._take_removed = take_removed
+        self._own_process = own_process
+        self._sent: collections.Counter[str] = collections.Counter()
+        """Holds on blocks taken for the client and not released by it yet."""
         self._writer: asyncio.StreamWriter | None = None
         self._credits = asyncio.Semaphore(0)
         self._pass: asyncio.Task[None] | None = None
@@ -97,6 +104,16 @@ class Service:
         finally:
             await self._stop()
             self._writer.close()
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """Blocks the client held when it left (closed, or killed) are unlinked: a trainer's
+        views, if it lives on, keep their memory, and the pool its room."""
+        blocks = self._loader._blocks
+        if blocks is not None:
+            for name in self._sent:
+                blocks.retire(name)
+        self._sent.clear()
 
     async def _answer(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
@@ -104,7 +121,8 @@ class Service:
             _, epoch, start, remaining, ahead, environment, released = message
             await self._stop()
             self._release(released)
-            environment.take_on()
+            if self._own_process:
+                environment.take_on()
             self._credits = asyncio.Semaphore(ahead)
             self._pass = asyncio.get_running_loop().create_task(
                 self._run_pass(epoch, start, remaining))
@@ -149,6 +167,7 @@ class Service:
         blocks = self._loader._blocks
         if isinstance(item, Exported) and blocks is not None:
             blocks.hold(item.name)  # the client's, until it releases it
+            self._sent[item.name] += 1
         self._write(data)
         return True
 
@@ -183,6 +202,9 @@ class Service:
         if blocks is not None:
             for name in names:
                 blocks.release(name)
+                self._sent[name] -= 1
+                if self._sent[name] <= 0:
+                    del self._sent[name]
 
     def _stats(self) -> bytes:
         return pickle.dumps(snapshot(self._loader.stats), pickle.HIGHEST_PROTOCOL)

@@ -443,3 +443,56 @@ def test_a_fingerprint_is_the_same_in_every_rank_whatever_its_hash_seed(
                                 capture_output=True, text=True,
                                 env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout)
     assert len(seen) == 1
+
+
+def _block_of(array: np.ndarray, maps: dict[str, Any]) -> str:
+    """The name of the shared block a batch's array views."""
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    block = base.obj if isinstance(base, memoryview) else base
+    return next(name for name, mapped in maps.items() if mapped is block)
+
+
+def test_blocks_a_leaving_rank_still_held_go_back_while_the_others_run(
+    urls: list[str],
+) -> None:
+    leaving, staying = _ranks(urls, "node", decode=big_image, shuffle=False)
+    try:
+        kept = []
+        staying_batches = iter(staying)
+        for batch, _ in zip(leaving, range(3), strict=False):
+            kept.append(batch)
+            next(staying_batches)
+        client = leaving._service._client
+        assert client is not None
+        names = {_block_of(batch, client._maps) for batch in kept}
+        leaving.close()  # the trainer keeps its views: their memory stays, the pool's room too
+        deadline = time.monotonic() + 10
+        while names & set(os.listdir(shm.SHM_DIR)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not names & set(os.listdir(shm.SHM_DIR)), "held blocks stayed in the pool"
+        assert [int(batch[0, 0, 0, 0]) for batch in kept] == [0, 16, 32]  # still readable
+        assert len(list(staying_batches)) == 7 - 3  # 100 samples: 7 batches each
+    finally:
+        leaving.close()
+        staying.close()
+
+
+def test_the_job_includes_the_working_directory_and_a_missing_runtime_dir_is_passed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = node.job()
+    monkeypatch.chdir(tmp_path)
+    assert node.job() != here
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "gone"))
+    assert node.private_directory().parent != tmp_path / "gone"
+
+
+def test_fingerprints_tell_apart_repeats_and_bound_builtins() -> None:
+    from aioloader._runtime.fingerprint import fingerprint
+
+    a, b = [1], [2]
+    assert fingerprint([a, b, a]) != fingerprint([a, b, b])
+    assert fingerprint({"x": 1}.get) != fingerprint({"x": 2}.get)
+    assert fingerprint({"x": 1}.get) == fingerprint({"x": 1}.get)

@@ -164,13 +164,15 @@ class PoolDecoder:
         """Told of each chunk killed at decode_timeout, for the loader's stats."""
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
-        self._waiting: list[tuple[int, int, _Job]] = []
-        """Chunks not sent yet, a heap by (step, arrival)."""
+        self._waiting: list[tuple[int, int, int, _Job]] = []
+        """Chunks not sent yet, a heap by (epoch, step, arrival)."""
         self._assigned: dict[int, deque[_Job]] = {}
         """Per process id: the chunks sent to it, in the order it runs them."""
         self._failure: BaseException | None = None
         self._tasks = TaskSet()
         self.restarts = 0
+        self.on_ignored: Callable[[Chunk], None] | None = None
+        """Told of each chunk whose result came after its pass gave up on it."""
         self._let_go = False
         self._starting = self._loop.create_task(self._start(), name="aioloader-pool-start")
 
@@ -194,7 +196,11 @@ class PoolDecoder:
 
     @property
     def failure(self) -> BaseException | None:
-        """What ended this decoder's work (a worker_init failure, too many deaths)."""
+        """What ended this decoder's work: its processes did not start, worker_init failed,
+        or too many died."""
+        starting = self._starting
+        if starting.done() and not starting.cancelled() and starting.exception() is not None:
+            return starting.exception()
         return self._failure
 
     @property
@@ -218,7 +224,7 @@ class PoolDecoder:
             queue = self._assigned[process.id]
             if len(queue) >= PER_PROCESS:
                 return
-            job = heapq.heappop(self._waiting)[2]
+            job = heapq.heappop(self._waiting)[3]
             if job.future.done():
                 continue  # its batch was given up on
             if not queue:
@@ -238,6 +244,8 @@ class PoolDecoder:
                 queue.remove(job)
                 if not job.future.done():
                     job.future.set_result(message.result)
+                elif self.on_ignored is not None:
+                    self.on_ignored(job.chunk)
             if queue and not queue[0].started:
                 queue[0].started = now()
             self._dispatch()
@@ -343,11 +351,11 @@ class PoolDecoder:
     def _wait(self, job: _Job) -> None:
         """Queue a job to be sent (again: its place is its step, so it goes first again)."""
         job.started = 0.0
-        heapq.heappush(self._waiting, (job.chunk.step, job.id, job))
+        heapq.heappush(self._waiting, (job.chunk.epoch, job.chunk.step, job.id, job))
 
     def _jobs(self) -> list[_Job]:
         """Every job waiting or sent."""
-        return [*(entry[2] for entry in self._waiting),
+        return [*(entry[3] for entry in self._waiting),
                 *(j for q in self._assigned.values() for j in q)]
 
     def in_flight(self, chunks: Container[int] | None = None) -> list[tuple[float, str]]:
@@ -405,11 +413,9 @@ class SharedDecoder:
 
     shared = True
 
-    def __init__(self, decoder: Decoder, on_close: Callable[[], None]) -> None:
+    def __init__(self, decoder: Decoder) -> None:
         self._decoder = decoder
-        self._on_close = on_close
         self._chunks: set[int] = set()
-        self._closed = False
 
     async def decode(self, chunk: Chunk) -> ChunkResult:
         self._chunks.add(id(chunk))
@@ -424,9 +430,7 @@ class SharedDecoder:
         return []
 
     def abandon(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._on_close()
+        return
 
     async def aclose(self) -> None:
-        self.abandon()
+        return

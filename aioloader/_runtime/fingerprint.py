@@ -25,9 +25,9 @@ def fingerprint(value: Any) -> str:
     return digest.hexdigest()
 
 
-def _describe(value: Any, digest: Any, seen: dict[int, Any]) -> None:
-    """Feed `value` to `digest`. `seen` holds what was met (kept alive, so that no id is
-    reused by a temporary made on the way: the state of an object, say)."""
+def _describe(value: Any, digest: Any, seen: dict[int, tuple[int, Any]]) -> None:
+    """Feed `value` to `digest`. `seen` numbers what was met, and keeps it alive so that no
+    id is reused by a temporary made on the way (the state of an object, say)."""
     def tag(text: str) -> None:
         digest.update(text.encode() + b"\0")
 
@@ -43,11 +43,14 @@ def _describe(value: Any, digest: Any, seen: dict[int, Any]) -> None:
     if isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType)):
         tag(f"{type(value).__name__}:{getattr(value, '__module__', '')}."
             f"{getattr(value, '__qualname__', getattr(value, '__name__', ''))}")
+        owner = getattr(value, "__self__", None)  # a bound builtin: labels.get, rng.integers
+        if owner is not None and not isinstance(owner, types.ModuleType):
+            _describe(owner, digest, seen)
         return
     if id(value) in seen:
-        tag("again")  # a cycle, or an object met before
+        tag(f"again:{seen[id(value)][0]}")  # a cycle, or the n-th object met, met again
         return
-    seen[id(value)] = value
+    seen[id(value)] = (len(seen), value)
     if isinstance(value, (list, tuple)):
         tag(f"{type(value).__name__}:{len(value)}")
         for item in value:

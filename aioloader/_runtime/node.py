@@ -32,19 +32,20 @@ from .messages import Environment
 from .service_client import ServiceClient, ServiceInit
 from .zygote import START_TIMEOUT
 
+MAX_SOCKET_PATH = 108
+"""sun_path's size on Linux, its final NUL included."""
 ATTEMPTS = 5
 """Connections tried before giving up: each may meet a service that is just ending."""
 
 
 def job() -> str:
-    """The job, as torchrun names it: its run id, else its rendezvous address; outside torchrun,
-    the processes of one parent."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id:
-        return f"run:{run_id}"
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        return f"master:{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    return f"parent:{os.getppid()}"
+    """The job, as torchrun names it: its run id and its rendezvous address (the run id alone
+    is "none" unless given), else the processes of one parent; and the working directory, so
+    jobs that share those but read relative paths elsewhere never meet."""
+    variables = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")
+    named = [os.environ.get(name, "") for name in variables]
+    launcher = ":".join(named) if any(named) else f"parent {os.getppid()}"
+    return f"{launcher}\0{os.getcwd()}"
 
 
 def local_ranks() -> int:
@@ -55,8 +56,10 @@ def local_ranks() -> int:
 
 
 def private_directory() -> Path:
-    """This user's directory of node sockets: made 0700, refused if anyone else could enter."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    """This user's directory of node sockets: made 0700, refused if anyone else could enter.
+    Under XDG_RUNTIME_DIR when it exists (a batch job may inherit one that does not)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
     folder = Path(base) / f"aioloader-{os.getuid()}"
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
@@ -77,6 +80,10 @@ def connect(code: bytes, fingerprint: str, packages: list[str], stall_timeout: f
     name = hashlib.sha256(f"{job()}\0{fingerprint}".encode()).hexdigest()[:32]
     folder = private_directory()
     path = folder / f"{name}.sock"
+    if len(os.fsencode(path)) >= MAX_SOCKET_PATH:
+        raise LoaderError(f"the node's socket path {path} is longer than a Unix socket's "
+                          f"{MAX_SOCKET_PATH - 1} bytes: set XDG_RUNTIME_DIR or TMPDIR to a "
+                          "shorter directory")
     init = ServiceInit(code, Environment.here(), fingerprint, tuple(packages))
     last: BaseException | None = None
     for _ in range(ATTEMPTS):
@@ -90,7 +97,8 @@ def connect(code: bytes, fingerprint: str, packages: list[str], stall_timeout: f
             return client
         except (OSError, EOFError) as e:  # met a service as it ended: find or start another
             last = e
-    raise LoaderError(f"could not reach the node's loader service at {path}: {last}")
+    raise LoaderError(f"could not reach the node's loader service at {path}: {last} (what "
+                      f"it said is in {path.with_suffix('.log')})")
 
 
 def _connected(path: Path) -> socket.socket | None:

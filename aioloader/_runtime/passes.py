@@ -189,7 +189,8 @@ class Pass:
                 self._check_not_all_skipped()
                 return END
             self._results -= finished.held
-            if self._blocks is not None:  # idle blocks only in the room samples leave
+            if self._blocks is not None and not self._decoder.shared:
+                # idle blocks only in the room samples leave (a node's pool is bounded as one)
                 self._blocks.keep_idle(max(0, self.config.memory_limit - self._held))
             self._room_changed.set()
             self._stage_changed.set()
@@ -244,7 +245,8 @@ class Pass:
             return self.config.memory_limit  # nothing arrived yet: one chunk at a time
         per_sample = self._result_per_sample or self._raw_per_sample
         window = self.config.decode_window * self.config.steps_per_chunk * self._samples_per_step
-        idle = self._blocks.idle_bytes if self._blocks is not None else 0
+        idle = (self._blocks.idle_bytes
+                if self._blocks is not None and not self._decoder.shared else 0)
         raw = max(self._raw, int(self._ahead * self._raw_per_sample))  # reads in flight too
         return raw + idle + max(self._results, int(window * per_sample))
 
