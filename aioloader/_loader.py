@@ -86,6 +86,7 @@ class NodeShare(Protocol):
     disk_cache: DiskCache | None
     counters: StorageCounters
     memory_per_rank: int
+    ranks: int
 
     def decoder(self) -> Decoder: ...
 
@@ -485,6 +486,8 @@ class Loader(Closing, AsyncClosing):
     def _config(self, epoch: int) -> PassConfig:
         chunk_samples = (self.batch_size or 1) * self._steps_per_chunk()
         reads = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
+        if self._share is not None:  # the node's reads, shared among its ranks
+            reads = max(1, reads // self._share.ranks)
         return PassConfig(
             epoch=epoch,
             batch_size=self.batch_size,

@@ -47,6 +47,9 @@ from ._runtime.zygote import START_TIMEOUT, Zygote
 from ._service import Service
 from .storage._storage import Storage
 
+REFUSAL_SECONDS = 5.0
+"""How long a refused peer has to read why before its connection is closed."""
+
 
 class NodeShare:
     """What every rank's passes share (`_loader.NodeShare`), built from the first rank's
@@ -216,8 +219,9 @@ class _Node:
         except Exception as e:
             traceback.print_exc()  # into the service's log
             writer.writelines(frame(dumps(("failed", one_line(e), ""))))
-            with contextlib.suppress(ConnectionError):
+            with contextlib.suppress(ConnectionError, TimeoutError):
                 await writer.drain()
+                await asyncio.wait_for(_until_closed(reader), REFUSAL_SECONDS)
         if loader is not None:
             await off_loop(loader.close)
         return None
@@ -251,6 +255,13 @@ class _Node:
         """A warning here (a decode process restarted) concerns every rank."""
         for service in list(self._services.values()):
             service.warn(message, category, filename, lineno, file, line)
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    """Read (and drop) what a refused peer still sends, until it closes: closing with its
+    bytes unread would reset the connection, and the peer would never read why."""
+    while await reader.read(1 << 16):
+        pass
 
 
 def _check_peer(sock: socket.socket) -> None:

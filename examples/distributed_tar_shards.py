@@ -27,7 +27,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -69,8 +69,8 @@ def write_shards(folder: Path, format: str) -> list[str]:
     return names
 
 
-def train(urls: list[str], service: Literal["process", "node"], epochs: int, out: Path, stop_after: int | None,
-          resume: Path | None) -> None:
+def train(urls: list[str], service: Literal["process", "node"], epochs: int, out: Path,
+          stop_after: int | None, resume: Path | None) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn

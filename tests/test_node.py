@@ -496,3 +496,28 @@ def test_fingerprints_tell_apart_repeats_and_bound_builtins() -> None:
     assert fingerprint([a, b, a]) != fingerprint([a, b, b])
     assert fingerprint({"x": 1}.get) != fingerprint({"x": 2}.get)
     assert fingerprint({"x": 1}.get) == fingerprint({"x": 1}.get)
+
+
+async def _granted_in_order(orders: list[int]) -> list[int]:
+    from aioloader._runtime.autotune import ReadLimit
+
+    reads = ReadLimit(1)
+    reads.try_acquire()
+    granted: list[int] = []
+
+    async def read(order: int) -> None:
+        await reads.acquire(order)
+        granted.append(order)
+        await asyncio.sleep(0)
+        reads.release()
+
+    tasks = [asyncio.ensure_future(read(order)) for order in orders]
+    await asyncio.sleep(0)
+    reads.release()
+    await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    return granted
+
+
+def test_shared_reads_go_to_the_earliest_step_first() -> None:
+    """Of the ranks waiting for a read slot, the one furthest behind reads first."""
+    assert asyncio.run(_granted_in_order([9, 2, 7, 0, 5])) == [0, 2, 5, 7, 9]

@@ -9,7 +9,8 @@ it goes back down by a quarter and stays until the picture changes. Otherwise it
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+import heapq
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,7 +23,11 @@ MIN_GAIN = 0.05
 
 class ReadLimit:
     """A counting semaphore whose size can change while tasks wait on it; it also measures how
-    long every slot was taken (the sign that more reads in flight might help)."""
+    long every slot was taken (the sign that more reads in flight might help).
+
+    Waiters get slots by `order` (the step their samples are for), then arrival: when several
+    passes share the limit (a node's ranks), the one furthest behind reads first, and one far
+    ahead never queues the others' next batches behind its read-ahead."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -30,7 +35,9 @@ class ReadLimit:
         self.busy_since: float | None = None
         """When every slot last became taken; None while some are free."""
         self.full_seconds = 0.0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        """A heap by (order, arrival); a cancelled waiter stays until it comes up."""
+        self._arrivals = itertools.count()
 
     def try_acquire(self) -> bool:
         """Take a slot if one is free, without awaiting (the common case, made cheap)."""
@@ -39,14 +46,16 @@ class ReadLimit:
         self._taken()
         return True
 
-    async def acquire(self) -> None:
+    async def acquire(self, order: int = 0) -> None:
         while self.in_use >= self.limit:
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
+            heapq.heappush(self._waiters, (order, next(self._arrivals), waiter))
             try:
                 await waiter
-            finally:
-                self._waiters.remove(waiter)
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # woken, then cancelled: the slot goes to the next
+                raise
         self._taken()
 
     def _taken(self) -> None:
@@ -67,9 +76,8 @@ class ReadLimit:
 
     def _wake(self) -> None:
         free = self.limit - self.in_use
-        for waiter in self._waiters:
-            if free <= 0:
-                break
+        while free > 0 and self._waiters:
+            waiter = heapq.heappop(self._waiters)[2]
             if not waiter.done():
                 waiter.set_result(None)
                 free -= 1

@@ -135,7 +135,7 @@ class PlannedSource:
     async def _read(self, pending: Pending, work: Work) -> None:
         if self.dataset.batched_fetch:
             if not self._reads.try_acquire():
-                await self._reads.acquire()
+                await self._reads.acquire(pending.first_step)
             self._tasks.start(self._fetch_many(pending, work))
             return
         for position, index in enumerate(pending.indices):
@@ -143,7 +143,7 @@ class PlannedSource:
                 self._arrived(pending, position, CACHED, work)
                 continue
             if not self._reads.try_acquire():
-                await self._reads.acquire()
+                await self._reads.acquire(pending.first_step)
             self._tasks.start(self._fetch_one(pending, position, work))
 
     async def _fetch_one(self, pending: Pending, position: int, work: Work) -> None:
