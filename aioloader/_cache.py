@@ -405,10 +405,10 @@ def _members_name(name: str) -> str:
     return f"aioloader-u{os.geteuid()}-cache-{name}-members"
 
 
-def _open_members(name: str) -> int:
+def _open_members(name: str, create: bool = True) -> int:
     try:
         descriptor = os.open(shm.path(_members_name(name)),
-                             os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+                             (os.O_CREAT if create else 0) | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     except OSError:
         shm.refuse_foreign(_members_name(name))  # a symlink or another user's file: say so
         raise
@@ -421,9 +421,10 @@ def _open_members(name: str) -> int:
 
 
 def remove_if_unused(name: str) -> None:
-    """Remove a named cache if no live process is attached to it."""
+    """Remove a named cache if no live process is attached to it (a zygote may ask after
+    the last member removed it: the members file is not made again then)."""
     try:
-        members = _open_members(name)
+        members = _open_members(name, create=False)
     except OSError:
         return
     try:
