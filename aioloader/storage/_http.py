@@ -167,8 +167,11 @@ class HttpStore:
         while True:
             try:
                 async with session.get(url, headers=range_header(start, end)) as response:
-                    chunks = self._body(url, response, start, end, self._max_bytes, _READ_CHUNK)
-                    data = b"".join([chunk async for chunk in chunks])
+                    data = await self._plain_whole(response) if start is None else None
+                    if data is None:
+                        chunks = self._body(url, response, start, end, self._max_bytes,
+                                            _READ_CHUNK)
+                        data = b"".join([chunk async for chunk in chunks])
                 if start is not None and end is not None and len(data) != end - start:
                     raise FetchError(
                         url, f"short read: wanted bytes {start}..{end}, got {len(data)}"
@@ -226,6 +229,18 @@ class HttpStore:
                 raise aiohttp.ClientPayloadError(f"body ended at byte {position} of {end}")
             except RETRYABLE as e:
                 await _failed(url, attempts, e)
+
+    async def _plain_whole(self, response: aiohttp.ClientResponse) -> bytes | None:
+        """Most reads: a whole object, not encoded, whose announced size is within the
+        limit, read in one call rather than chunk by chunk. None for any other answer, which
+        `_body` checks and reads."""
+        size = response.content_length
+        encoding = response.headers.get("Content-Encoding", "").strip().lower()
+        if (response.status != 200 or size is None or size > self._max_bytes
+                or encoding not in ("", "identity")):
+            return None
+        self._counters.requests += 1
+        return await response.read()
 
     def _body(
         self,
