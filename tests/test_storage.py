@@ -126,3 +126,15 @@ async def test_slow_reads_are_hedged_within_the_budget(faulty_server: TestServer
     async with Storage(concurrency=32, timeout=60, hedge=False) as plain:
         await asyncio.gather(*(read(plain, u) for u in urls[:50]))
     assert plain.counters.hedges == 0
+
+
+def test_the_hedge_delay_is_numpys_percentile_of_recent_reads() -> None:
+    import numpy as np
+
+    from aioloader.storage._hedge import quantile
+
+    rng = np.random.default_rng(0)
+    for size in (1, 2, 33, 256):
+        seconds = rng.exponential(0.02, size).tolist()
+        for q in (0.0, 0.5, 0.97, 1.0):
+            assert quantile(seconds, q) == pytest.approx(float(np.percentile(seconds, q * 100)))

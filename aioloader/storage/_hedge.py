@@ -16,10 +16,8 @@ import asyncio
 import functools
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
-
-import numpy as np
 
 from ._counters import StorageCounters
 
@@ -53,6 +51,16 @@ HEDGE_CONNECTIONS = 32
 """Connections a storage keeps beyond its reads in flight, for their hedges."""
 
 Attempt = Callable[[], Coroutine[Any, Any, bytes]]
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """numpy's default (linear) percentile, q in 0..1, without numpy's fixed cost: a few
+    hundred values sorted in Python cost a fraction of `np.percentile` on them."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 async def _done_within(task: asyncio.Future[Any], seconds: float) -> bool:
@@ -91,8 +99,7 @@ class Hedger:
         self._unseen += 1
         if len(self._seconds) >= MIN_OBSERVED and self._unseen >= RECOMPUTE_EVERY:
             self._unseen = 0
-            tail = float(np.percentile(np.fromiter(self._seconds, float), PERCENTILE))
-            self.delay = max(FLOOR_SECONDS, tail)
+            self.delay = max(FLOOR_SECONDS, quantile(self._seconds, PERCENTILE / 100))
 
     def _may_hedge(self, waited: float) -> bool:
         """A token is there, or the read has waited so long that it may borrow one."""
