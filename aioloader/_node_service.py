@@ -144,7 +144,7 @@ class _Node:
         self._listening.setblocking(False)
         server = await asyncio.start_unix_server(self._connected, sock=self._listening)
         try:
-            with contextlib.suppress(TimeoutError):  # a starter that died before connecting
+            with contextlib.suppress(asyncio.TimeoutError):  # a starter that died before connecting
                 await asyncio.wait_for(self._arrived.wait(), START_TIMEOUT)
             while not await self._ended(server):
                 self._left.clear()
@@ -214,12 +214,12 @@ class _Node:
             writer.writelines(frame(dumps(("ready", os.getpid()))))
             await writer.drain()
             return loader
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             pass
         except Exception as e:
             traceback.print_exc()  # into the service's log
             writer.writelines(frame(dumps(("failed", one_line(e), ""))))
-            with contextlib.suppress(ConnectionError, TimeoutError):
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
                 await writer.drain()
                 await asyncio.wait_for(_until_closed(reader), REFUSAL_SECONDS)
         if loader is not None:
