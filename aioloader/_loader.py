@@ -822,21 +822,25 @@ class _AsyncServicePass:
 
     def __init__(self, loader: Loader) -> None:
         self._loader = loader
-        self._client: ServiceClient | None = None
+        self._opened: list[ServiceClient] = []
+        """The pass's client, put here by the thread that opens it: a caller cancelled
+        meanwhile still stops it. A list, not a method of this object, goes to that thread,
+        so that dropping this object (a `break`) ends the pass at once, not when the thread
+        lets go of its work."""
         self._done = False
 
     def __aiter__(self) -> _AsyncServicePass:
         return self
 
-    def _open(self) -> None:
-        """Kept here as soon as it is open: a caller cancelled meanwhile still stops it."""
-        self._client = self._loader._open_service_pass()
+    @property
+    def _client(self) -> ServiceClient | None:
+        return self._opened[0] if self._opened else None
 
     async def __anext__(self) -> Any:
         if self._done:
             raise StopAsyncIteration
         if self._client is None:  # may start the service: off the loop
-            await off_loop(self._open)
+            await off_loop(_open_into, self._loader, self._opened)
         client = self._client
         assert client is not None
         asked = now()
@@ -860,6 +864,10 @@ class _AsyncServicePass:
         if self._client is not None and not self._done:
             self._done = True
             self._loader._service_pass_over(self._client, False, wait=False)
+
+
+def _open_into(loader: Loader, opened: list[ServiceClient]) -> None:
+    opened.append(loader._open_service_pass())
 
 
 def _shut_down(holder: _PoolHolder, blocks: BlockPool | None, service: _ServiceHolder) -> None:
