@@ -270,12 +270,12 @@ class Loader(Closing, AsyncClosing):
         self._packages: list[str] = []
         if config.num_workers and executor is None and not export:  # a service's travelled
             self._packages = packages = packages_behind(self._check_serialisable())
-            # start the helper that forks decode processes now, with what decode imports,
-            # while the caller builds the rest of the job: the first pass need not wait for it
-            # (a node's service has its own)
+            # start the helper that forks decode processes now, with what decode imports, and
+            # the loader service, while the caller builds the rest of the job: the first batch
+            # need not wait for them (a node's service has its own helper)
             if config.service != "node":
-                threading.Thread(target=_start_zygote, args=(packages,),
-                                 name="aioloader-zygote-start", daemon=True).start()
+                threading.Thread(target=_warm_up, args=(packages, self._service, config),
+                                 name="aioloader-warm-up", daemon=True).start()
         self._epoch = 0
         self._position = 0
         """Where the last pass stood: the global position in the epoch's order (map-style
@@ -767,9 +767,14 @@ class Loader(Closing, AsyncClosing):
         await off_loop(self.close)
 
 
-def _start_zygote(packages: list[str]) -> None:
+def _warm_up(packages: list[str], service: _ServiceHolder, config: LoaderConfig) -> None:
+    """Start the zygote with `packages` imported, then the loader service if there is one.
+    Given the holder and the configuration, not the Loader: a Loader dropped meanwhile is
+    finalized (closing what was started) rather than kept alive by this thread."""
     with contextlib.suppress(Exception):  # a failure shows, with its cause, at the first pass
         Zygote.get().preload(packages)
+        if config.service == "process":
+            service.start(config, packages)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
@@ -935,6 +940,10 @@ class _ServiceHolder(ProcessBound):
         self._closed = False
 
     def get(self, loader: Loader) -> ServiceClient:
+        return self.start(loader.config, loader._packages)
+
+    def start(self, config: LoaderConfig, packages: list[str]) -> ServiceClient:
+        """The service's client, the service started (again, if it was lost) if need be."""
         with self._lock:
             if self._closed:
                 raise LoaderError("this Loader is closed; build a new one")
@@ -942,11 +951,10 @@ class _ServiceHolder(ProcessBound):
                 self._client.close()
                 self._client = None
             if self._client is None:
-                config = loader.config
                 self._client = node.connect(
-                    self.code, self.fingerprint, loader._packages, config.stall_timeout
+                    self.code, self.fingerprint, packages, config.stall_timeout
                 ) if config.service == "node" else ServiceClient.spawn(
-                    self.code, loader._packages, config.stall_timeout)
+                    self.code, packages, config.stall_timeout)
             return self._client
 
     def stats(self, here: LoaderStats) -> LoaderStats:
