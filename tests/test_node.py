@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
-from test_service import _epochs, _plain
+from test_service import _epochs, _plain, wait_until_gone
 
 import aioloader
 from aioloader._runtime import node, shm
@@ -248,13 +248,7 @@ def test_a_sigkilled_last_rank_takes_the_service_and_its_blocks_with_it(
     finally:
         rank.send_signal(signal.SIGKILL)
         rank.wait(10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if not alive and not _segments_of(pid):
-            return
-        time.sleep(0.1)
-    pytest.fail(f"left behind: processes {alive}, segments {_segments_of(pid)}")
+    wait_until_gone(family, [shm.prefix(pid)])
 
 
 def test_a_rank_with_another_configuration_gets_its_own_service_and_batches(

@@ -273,6 +273,12 @@ def test_a_sigkilled_trainer_takes_its_service_decode_processes_and_blocks_with_
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(10)
+    wait_until_gone(family, prefixes)
+
+
+def wait_until_gone(family: list[psutil.Process], prefixes: list[str]) -> None:
+    """Fail unless every process of `family` has ended, and no segment named with one of
+    `prefixes` is left, within 10 s."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
