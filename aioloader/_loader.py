@@ -250,11 +250,9 @@ class Loader(Closing, AsyncClosing):
         self.cache = config.cache
         self.disk_cache: DiskCache | None = None
         if share is not None:
-            self.disk_cache = share.disk_cache
+            self.disk_cache, self._stats.storage = share.disk_cache, share.counters
         elif config.cache_dir is not None:
             self.disk_cache = DiskCache(config.cache_dir, config.cache_limit)
-        if share is not None:
-            self._stats.storage = share.counters
         self._stats.cache_reports = [c.report for c in (self.cache, self.disk_cache)
                                     if c is not None]
         self._stats.source_shares = getattr(dataset, "shares", None)
@@ -299,7 +297,7 @@ class Loader(Closing, AsyncClosing):
         elif (config.shared_memory and config.num_workers and executor is None
                 and config.service is None and shm.available()):
             self._blocks = BlockPool(
-                max_blocks=self._decode_window() + self._prefetch_chunks() + 4,
+                max_blocks=self._blocks_per_pass(),
                 max_bytes=config.memory_limit, export=export,
             )
         self._finalizer = weakref.finalize(self, _shut_down, self._holder,
@@ -476,6 +474,18 @@ class Loader(Closing, AsyncClosing):
     def _prefetch_chunks(self) -> int:
         return -(-self.prefetch // self._steps_per_chunk())
 
+    def _blocks_per_pass(self) -> int:
+        """Shared blocks a pass may use at once: its decode window and prefetch, and a few
+        being released."""
+        return self._decode_window() + self._prefetch_chunks() + 4
+
+    def _new_storage(self, connections: int) -> Storage:
+        """Storage as this Loader reads: its retries, timeout, counters, disk cache, size
+        bound and hedger."""
+        config = self.config
+        return Storage(connections, config.retries, config.timeout, self._stats.storage,
+                       self.disk_cache, config.max_object_bytes, self._hedger or False)
+
     def _decode_window(self) -> int:
         """Chunks decoding or finished and waiting: enough for every decode process to have
         one running and one queued, plus the prefetch."""
@@ -548,9 +558,7 @@ class Loader(Closing, AsyncClosing):
         else:
             reads = autotune.ReadLimit(self.concurrency)
             connections = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
-            storage = Storage(connections, self.config.retries, self.config.timeout,
-                              stats.storage, self.disk_cache, self.config.max_object_bytes,
-                              self._hedger or False)
+            storage = self._new_storage(connections)
         source: PlannedSource | StreamSource
         if isinstance(self.dataset, Stream):
             source = StreamSource(

@@ -45,7 +45,6 @@ from ._runtime.service_client import ServiceInit
 from ._runtime.transport import BlockPool
 from ._runtime.zygote import START_TIMEOUT, Zygote
 from ._service import Service
-from .storage._storage import Storage
 
 REFUSAL_SECONDS = 5.0
 """How long a refused peer has to read why before its connection is closed."""
@@ -65,13 +64,10 @@ class NodeShare:
         self.disk_cache = node.disk_cache
         self.counters = node._stats.storage
         self.reads = autotune.ReadLimit(config.concurrency)
-        self.storage = Storage(config.concurrency, config.retries, config.timeout,
-                               node._stats.storage, node.disk_cache, config.max_object_bytes,
-                               node._hedger or False)
+        self.storage = node._new_storage(config.concurrency)
         self.blocks: BlockPool | None = None
         if config.shared_memory and shm.available():
-            self.blocks = BlockPool(max_blocks=ranks * (node._decode_window()
-                                                        + node._prefetch_chunks() + 4),
+            self.blocks = BlockPool(max_blocks=ranks * node._blocks_per_pass(),
                                     max_bytes=config.memory_limit, export=True)
         self._decoder = self._pool_decoder()
 
