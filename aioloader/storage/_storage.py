@@ -11,6 +11,7 @@ import contextvars
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from .._closing import AsyncClosing
@@ -18,11 +19,13 @@ from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
 from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Hedger
-from ._http import HttpStore
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore
 from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
 from ._s3 import S3Store, split
+
+if TYPE_CHECKING:
+    from ._http import HttpStore
 
 SCHEMES = ("", "file", "http", "https", "s3")
 _current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
@@ -91,16 +94,23 @@ class Storage(AsyncClosing):
         self._policy = RetryPolicy(retries, timeout)
         self._max_object_bytes = max_object_bytes
         # room beyond the reads in flight for their hedges, which must not queue behind them
-        connections = concurrency + (HEDGE_CONNECTIONS if hedge is not False else 0)
-        self._http = HttpStore(connections, self._policy, self.counters, max_object_bytes)
+        self._connections = concurrency + (HEDGE_CONNECTIONS if hedge is not False else 0)
+        self._http: HttpStore | None = None
         self._s3: S3Store | None = None
         self._coalescer = RangeCoalescer(self._read)
         self._hedger = hedge if isinstance(hedge, Hedger) else (
             Hedger(self.counters) if hedge else None)
 
     def _remote(self, url: str) -> HttpStore | S3Store:
-        """The store for a remote URL: S3 (made on first use: it needs obstore) or HTTP."""
+        """The store for a remote URL, S3 or HTTP, made on first use: obstore and aiohttp
+        are imported only by a loader that reads through them (aiohttp alone takes 0.15 s,
+        on the way to a first batch of local data)."""
         if url[:5].lower() != "s3://":
+            if self._http is None:
+                from ._http import HttpStore
+
+                self._http = HttpStore(self._connections, self._policy, self.counters,
+                                       self._max_object_bytes)
             return self._http
         if self._s3 is None:
             self._s3 = S3Store(self._policy, self.counters, self._max_object_bytes)
@@ -187,7 +197,8 @@ class Storage(AsyncClosing):
     async def aclose(self) -> None:
         try:
             await self._coalescer.aclose()
-            await self._http.aclose()
+            if self._http is not None:
+                await self._http.aclose()
         finally:
             self._local.close()
 
