@@ -978,10 +978,10 @@ class _ServiceHolder(ProcessBound):
             return here
         merged = load_stats(self._last)
         merged.batches, merged.consumer_wait = here.batches, here.consumer_wait
-        merged.events = deque(
-            sorted([e for e in merged.events if e.row != "consumer"] + list(here.events),
-                   key=lambda event: event.start),
-            maxlen=merged.events.maxlen)
+        merged.raw_events = deque(
+            sorted([e for e in merged.raw_events if e[0] != "consumer"] + list(here.raw_events),
+                   key=lambda event: event[1]),
+            maxlen=merged.raw_events.maxlen)
         return merged
 
     def close(self) -> None:

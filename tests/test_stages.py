@@ -312,6 +312,55 @@ async def test_memory_limit_never_stops_a_source_far_below_it() -> None:
         await asyncio.wait_for(running.aclose(), WAIT)
 
 
+class ReadsInTasks(FakeSource):
+    """Starts each chunk's read in a task and asks for room for the next one at once, as the
+    loader's own source does; chunk 0's read waits for `first_read`."""
+
+    def __init__(self, chunks: int) -> None:
+        super().__init__(chunks)
+        self.first_read = asyncio.Event()
+        self.room_for: list[int] = []
+
+    async def feed(self, work: Work) -> None:
+        reads = []
+        for c in range(self.chunks):
+            await work.room()
+            self.room_for.append(c)
+            pending = Pending(c, 1, [c * BATCH + n for n in range(BATCH)], [None] * BATCH,
+                              missing=BATCH)
+            work.reading(pending, BATCH)
+            reads.append(asyncio.create_task(self._read(pending, work)))
+        await asyncio.gather(*reads)
+
+    async def _read(self, pending: Pending, work: Work) -> None:
+        if pending.first_step == 0:
+            await self.first_read.wait()
+        pending.raws = [bytes(self.raw_size)] * BATCH
+        pending.missing = 0
+        work.hold_all(pending, pending.raws)
+        work.complete(pending)
+
+
+async def test_reading_ahead_goes_on_once_the_first_chunk_is_in_not_once_it_is_decoded() -> None:
+    """Before any sample's size is known a pass reads one chunk; when it comes in, the reads
+    waiting for room go on while it decodes (they waited for its decode: a whole chunk's
+    decode time at the start of every pass, with one decode process busy)."""
+    source, decoder = ReadsInTasks(4), FakeDecoder()
+    decoder.gates[0] = asyncio.Event()
+    running = make_pass(source, decoder)
+    await running.start()
+    try:
+        await settle()
+        assert source.room_for == [0]  # nothing known yet: one chunk at a time
+        source.first_read.set()
+        await until(lambda: source.room_for == [0, 1, 2, 3])
+        assert 0 in decoder.running  # chunk 0 is still decoding
+        decoder.gates[0].set()
+        assert await take(running, 4) == [("batch", c) for c in range(4)]
+    finally:
+        await asyncio.wait_for(running.aclose(), WAIT)
+
+
 # -- the watchdog -------------------------------------------------------------------------------
 
 

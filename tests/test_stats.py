@@ -56,3 +56,20 @@ def test_bench_command_prints_rates_and_the_verdict() -> None:
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
     assert "epoch 1:" in out and "samples/s" in out and "verdict:" in out
+
+
+def test_stats_travel_with_their_timeline(local_paths: list[str]) -> None:
+    """A loader service sends its stats at each pass's end: the timeline goes along whole."""
+    import pickle
+
+    loader = aioloader.Loader(aioloader.Files(local_paths[:20]), decode=index_of, batch_size=4,
+                              num_workers=1, service=None)
+    with loader:
+        list(loader)
+    stats = loader.stats
+    copy = pickle.loads(pickle.dumps(stats))
+    assert copy.events == stats.events and len(stats.events) >= 10
+    assert copy.raw_events.maxlen == stats.raw_events.maxlen
+    assert copy.decode.count == stats.decode.count == 20
+    decode_boxes = [e for e in stats.events if e.row.startswith("decode ")]
+    assert len(decode_boxes) == 5  # one box per chunk (a batch here), not per sample

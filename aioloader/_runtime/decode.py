@@ -146,7 +146,9 @@ def run_chunk(
             continue
         sample, started, ended = outcome
         samples.append(sample)
-        result.timings.append((started, ended))
+        result.durations.append(ended - started)
+        first, last = result.span or (started, ended)
+        result.span = min(first, started), max(last, ended)
     if spec.collate is None or not samples:
         result.items = samples
         return result

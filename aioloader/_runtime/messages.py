@@ -56,8 +56,11 @@ class ChunkResult:
     failure: tuple[int | None, str, str] | None = None
     """(index, one-line reason, traceback) of the first failure in raise mode; index None:
     collate failed."""
-    timings: list[tuple[float, float]] = field(default_factory=list)
-    """(start, end) of each decoded sample, on the clock of `stats.now`."""
+    durations: list[float] = field(default_factory=list)
+    """Seconds each decoded sample took."""
+    span: tuple[float, float] | None = None
+    """(start, end) of the chunk's decoding, on the clock of `stats.now`: one box on the
+    timeline per chunk, not per sample, keeps the bookkeeping off the per-sample path."""
     process: str = "inline"
     """Which decode process ran the chunk, for the timeline."""
     shared: bool = False

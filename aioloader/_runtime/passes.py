@@ -256,9 +256,19 @@ class Pass:
 
     def hold(self, pending: Pending, raw: Any, weight: int = 1) -> None:
         size = estimate_bytes(raw)
-        pending.held += size * weight
-        self._raw += size * weight
-        self._raw_per_sample = _averaged(self._raw_per_sample, size, 64)
+        self._count_raw(pending, size * weight, size, 64)
+
+    def hold_all(self, pending: Pending, raws: list[Any]) -> None:
+        if raws:
+            size = sum(map(estimate_bytes, raws))
+            self._count_raw(pending, size, size / len(raws), 1)
+
+    def _count_raw(self, pending: Pending, size: int, per_sample: float, weight: int) -> None:
+        pending.held += size
+        self._raw += size
+        if not self._raw_per_sample:  # the first size known: reading ahead may go on now
+            self._room_changed.set()
+        self._raw_per_sample = _averaged(self._raw_per_sample, max(per_sample, 1.0), weight)
         self._progress_at = now()
 
     def complete(self, pending: Pending) -> None:
@@ -421,10 +431,9 @@ class Pass:
             )
 
     def _record(self, result: ChunkResult) -> None:
-        stats = self._stats
-        for start, end in result.timings:
-            stats.decode.add(end - start)
-            stats.event(result.process, start, end, "decode")
+        self._stats.decode.extend(result.durations)
+        if result.span is not None:
+            self._stats.event(result.process, *result.span, "decode")
 
     def _failure_of(
         self, pending: Pending, kept: list[int], result: ChunkResult

@@ -67,6 +67,9 @@ class Work(Protocol):
         """Count a raw item's bytes (times `weight`, for items weighed one in many) against
         the memory limit until its chunk is decoded."""
 
+    def hold_all(self, pending: Pending, raws: list[Any]) -> None:
+        """`hold` for a whole chunk's raw items at once."""
+
     def complete(self, pending: Pending) -> None:
         """Hand a chunk whose raws are all in to the decode stage."""
 
@@ -178,8 +181,9 @@ class PlannedSource:
         finally:
             self._reads.release()
             del self._in_flight[id(pending), 0]
-        for position, raw in enumerate(raws):
-            self._arrived(pending, position, raw, work)
+        pending.raws, pending.missing = raws, 0
+        work.hold_all(pending, raws)
+        work.complete(pending)
 
     @staticmethod
     def _arrived(pending: Pending, position: int, raw: Any, work: Work) -> None:
