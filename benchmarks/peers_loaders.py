@@ -136,7 +136,11 @@ def stop_workers(loader: Any) -> None:
 def build_aioloader_tar(plan: Plan) -> Built:
     import aioloader
 
-    return aioloader_built(aioloader.TarShards(plan.urls("tar", ".tar")), decode_tar_sample, plan)
+    # its index cache with the other local caches, emptied before each run: the shards are
+    # packed again each run, and a kept index would describe the last run's shards
+    shards = aioloader.TarShards(plan.urls("tar", ".tar"),
+                                 index_dir=os.path.join(plan.cache, "tar-index"))
+    return aioloader_built(shards, decode_tar_sample, plan)
 
 
 def build_aioloader_recordio(plan: Plan) -> Built:
@@ -277,7 +281,9 @@ class Entry:
 
 
 AIOLOADER_SETTINGS = "AWS_ENDPOINT_URL at the proxy; nothing else"
-AIOLOADER = ("aioloader", "obstore")
+AIOLOADER = ("aioloader", "aioloader._loader", "obstore")
+"""`aioloader` imports its Loader on first use (`aioloader.Loader`): imported here like the
+peers' eager imports, so that no loader's set-up includes importing its library."""
 TORCH = ("torch", "torch.utils.data")
 LOADERS: dict[str, Entry] = {
     "aioloader-tar": Entry(build_aioloader_tar, "aioloader TarShards", "aioloader", "tar",
