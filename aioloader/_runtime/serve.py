@@ -30,6 +30,7 @@ def _start(init: Init) -> DecodeSpec:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(seed)
+    init.environment.filter_warnings()  # the categories of the modules decode imported too
     if worker_init is not None:
         worker_init(init.worker_id)
     return spec
