@@ -267,7 +267,7 @@ async def test_decode_window_bounds_the_chunks_decoding_while_the_consumer_waits
     running = make_pass(source, decoder, ordered=ordered, decode_window=window)
     await running.start()
     try:
-        await until(lambda: source.read == chunks)
+        await until(lambda: len(decoder.running) == window)
         await settle()
         assert sorted(decoder.running) == list(range(window))
         for c in range(chunks):  # one at a time: the window moves, never grows
@@ -357,6 +357,27 @@ async def test_reading_ahead_goes_on_once_the_first_chunk_is_in_not_once_it_is_d
         assert 0 in decoder.running  # chunk 0 is still decoding
         decoder.gates[0].set()
         assert await take(running, 4) == [("batch", c) for c in range(4)]
+    finally:
+        await asyncio.wait_for(running.aclose(), WAIT)
+
+
+async def test_until_the_first_chunk_is_decoded_reads_go_a_decode_window_ahead() -> None:
+    """Reading far ahead at the start would take the cores from the first batches' decode."""
+    source, decoder = FakeSource(20), FakeDecoder()
+    for c in range(20):
+        decoder.gates[c] = asyncio.Event()
+    running = make_pass(source, decoder, decode_window=4)  # read_ahead: 1000 samples
+    await running.start()
+    try:
+        await asyncio.wait_for(source.blocked.wait(), WAIT)
+        await settle()
+        assert source.read == 4  # chunks: the window
+        decoder.gates[0].set()
+        await until(lambda: source.read == 20)  # then as far as read_ahead allows
+        for gate in decoder.gates.values():
+            gate.set()
+        assert len(await take(running, 20)) == 20
+        assert source.blocked_at == [4]
     finally:
         await asyncio.wait_for(running.aclose(), WAIT)
 

@@ -108,6 +108,7 @@ class Pass:
         self._result_per_sample = 0.0
         """Moving averages of a sample's bytes, raw and decoded."""
         self._decoding = 0
+        self._decoded_any = False
         self._lent: set[str] = set()
         self._tasks = TaskSet()
         self._progress_at = now()
@@ -223,7 +224,16 @@ class Pass:
     def has_room(self) -> bool:
         config = self.config
         return not self._ahead or (
-            self._committed() < config.memory_limit and self._ahead < config.read_ahead)
+            self._committed() < config.memory_limit and self._ahead < self._read_ahead())
+
+    def _read_ahead(self) -> int:
+        """Samples read ahead, at most: until the first chunk is decoded, a decode window's
+        worth (every process busy, one queued each), so that reading far ahead does not take
+        the cores from the first batches; then `read_ahead`."""
+        if self._decoded_any:
+            return self.config.read_ahead
+        chunk = self.config.steps_per_chunk * self._samples_per_step
+        return min(self.config.read_ahead, self.config.decode_window * chunk)
 
     async def room(self) -> None:
         while not self.has_room():
@@ -351,6 +361,7 @@ class Pass:
             outcome, held = Failed(e), 0
         finally:
             self._decoding -= 1
+            self._decoded_any = True
             self._release(pending)
         self._progress_at = moment = now()
         self._results += held
