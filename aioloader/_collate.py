@@ -64,6 +64,32 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
     )
 
 
+def concatenate(batches: Sequence[Any], allocate: Allocate | None = None) -> Any:
+    """Batches that `default_collate` made of consecutive parts of a list of samples, joined
+    into the batch it would have made of the whole list (a pass's first batch is decoded in
+    parts, by every decode process at once); `allocate` as for `default_collate`."""
+    first = batches[0]
+    if isinstance(first, np.ndarray):
+        _check_same_shapes([batch[0] for batch in batches])  # one sample of each part
+        if allocate is None:
+            return np.concatenate(batches)
+        shape = (sum(len(batch) for batch in batches), *first.shape[1:])
+        return np.concatenate(batches, out=allocate(shape, np.result_type(*batches)))
+    if isinstance(first, list) and all(isinstance(v, (str, bytes)) for v in first):
+        return [value for batch in batches for value in batch]
+    if isinstance(first, Mapping):
+        joined = {key: concatenate([batch[key] for batch in batches], allocate)
+                  for key in first}
+        return joined if type(first) is dict else type(first)(joined)  # type: ignore[call-arg]
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
+        return type(first)(*(concatenate(field, allocate)
+                             for field in zip(*batches, strict=True)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(concatenate(field, allocate)
+                           for field in zip(*batches, strict=True))
+    raise TypeError(f"cannot join batches of {type(first).__name__}")
+
+
 def _scalar_dtype(value: Any) -> np.dtype[Any] | None:
     """The dtype a batch of these scalars gets, as torch does; None if not a scalar."""
     if isinstance(value, np.generic):

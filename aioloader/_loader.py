@@ -508,7 +508,15 @@ class Loader(Closing, AsyncClosing):
             read_ahead=max(READ_AHEAD_PER_READ * reads, 2 * chunk_samples),
             decode_window=self._decode_window(),
             stall_timeout=self.config.stall_timeout,
+            first_chunk_parts=self._first_chunk_parts(),
         )
+
+    def _first_chunk_parts(self) -> int:
+        """Decode processes a pass's first batch is divided among: all of them, when there are
+        several and the batch is made by the default collate (which can be joined)."""
+        divisible = (self.batch_size and self.executor is None and self.num_workers > 1
+                     and self._spec.collate is default_collate and not self._nothing_to_decode())
+        return self.num_workers if divisible else 1
 
     async def _open_pass(self) -> Pass:
         self._holder.check_process()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections import namedtuple
+from typing import Any
 
 import numpy as np
 import pytest
 
 from aioloader import default_collate
+from aioloader._collate import concatenate
 
 Point = namedtuple("Point", "x y")
 
@@ -62,3 +64,34 @@ def test_mismatched_shapes_say_what_to_do() -> None:
 def test_mixed_scalar_dtypes_are_promoted_not_cast_to_the_first() -> None:
     batch = default_collate([np.int64(1), np.float32(0.5)])
     assert batch.dtype.kind == "f" and batch.tolist() == [1.0, 0.5]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, types and dtypes, all the way down."""
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            _same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("cuts", [[1], [2], [1, 3], [1, 2, 3, 4]])
+def test_batches_of_consecutive_parts_join_into_the_batch_of_the_whole(cuts: list[int]) -> None:
+    """The first batch of a pass is collated in parts by several decode processes and joined:
+    the same values, types and dtypes as one collate of all its samples."""
+    samples = [
+        {"image": np.full((2, 2), i, np.uint8), "meta": (i, {"name": f"s{i}", "raw": b"x" * i}),
+         "pt": Point(i, 2.0 * i if i % 2 else 2 * i), "l": [True, np.float32(i)], "s": "abc"}
+        for i in range(5)
+    ]
+    parts = [samples[a:b] for a, b in zip([0, *cuts], [*cuts, len(samples)], strict=True)]
+    joined = concatenate([default_collate(part) for part in parts])
+    assert _same(joined, default_collate(samples))
+
+
+def test_joined_parts_of_different_shapes_fail_as_one_collate_would() -> None:
+    with pytest.raises(ValueError, match="different shapes"):
+        concatenate([default_collate([np.zeros(2)]), default_collate([np.zeros(3)])])

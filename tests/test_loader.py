@@ -148,6 +148,24 @@ def test_worker_info_and_legacy_seeds_differ_per_worker(urls: list[str]) -> None
     assert first_draws[0] != first_draws[1]
 
 
+@pytest.mark.parametrize("service", ["process", None])
+def test_a_passs_first_batch_is_decoded_by_every_process_at_once(
+    local_paths: list[str], service: str | None
+) -> None:
+    """Divided among the decode processes and joined, the first batch comes sooner; the
+    batches are those of one process each."""
+    loader = aioloader.Loader(aioloader.Files(local_paths[:32]), decode=whoami, batch_size=8,
+                              num_workers=2, persistent_workers=True, service=service)
+    with loader:
+        list(loader)  # the processes start: the next pass finds both ready
+        batches = [(batch[0].tolist(), set(batch[1].tolist())) for batch in loader]
+        inline = aioloader.Loader(aioloader.Files(local_paths[:32]), decode=index_of,
+                                  batch_size=8, num_workers=0)
+    assert [indices for indices, _ in batches] == [b.tolist() for b in inline]
+    assert batches[0][1] == {0, 1}
+    assert all(len(workers) == 1 for _, workers in batches[1:])
+
+
 def test_worker_init_runs_once_in_each_worker(urls: list[str], tmp_path: Path) -> None:
     init = functools.partial(mark_worker, str(tmp_path))
     with aioloader.Loader(

@@ -9,9 +9,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from aioloader._errors import LoaderError, SampleError, StallError, WorkerDiedError
+from aioloader._runtime.decode import join_results
 from aioloader._runtime.decoders import PER_PROCESS, PoolDecoder
 from aioloader._runtime.handover import Handover
 from aioloader._runtime.messages import Chunk, ChunkResult, Done, Task
@@ -618,3 +620,14 @@ async def test_pool_decoder_aclose_retires_the_processes_still_holding_its_chunk
     assert pool.listener is None
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(decode, WAIT)
+
+
+def test_parts_of_a_chunk_join_with_skips_at_their_places_and_the_first_failure() -> None:
+    first = ChunkResult([np.arange(2)], [(1, "ValueError: bad")], durations=[0.1, 0.1])
+    second = ChunkResult([np.arange(2, 5)], [(0, "OSError: gone")])
+    joined = join_results([first, second], [3, 4])
+    assert joined.items[0].tolist() == [0, 1, 2, 3, 4]
+    assert joined.skipped == [(1, "ValueError: bad"), (3, "OSError: gone")]
+    failing = [ChunkResult([], [], failure=(9, "KeyError: 9", "tb")),
+               ChunkResult([], [], failure=(2, "KeyError: 2", "tb"))]
+    assert join_results([first, *failing], [3, 1, 1]).failure == (9, "KeyError: 9", "tb")

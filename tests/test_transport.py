@@ -45,6 +45,28 @@ def test_large_batches_come_through_shared_memory_unchanged(urls: list[str]) -> 
 
 
 @pytest.mark.parametrize("service", [None, "process"])
+def test_a_first_batch_joined_from_parts_comes_in_one_block_and_its_parts_go(
+    local_paths: list[str], service: str | None
+) -> None:
+    """Each pass's first batch is decoded in parts by both processes and joined into one
+    block; the parts' blocks, sized for a part, are removed, never lent for a whole batch."""
+    before = segments()
+    loader = aioloader.Loader(aioloader.Files(local_paths[:40]), decode=big_image,
+                              batch_size=10, num_workers=2, persistent_workers=True,
+                              service=service)
+    with loader:
+        for _ in range(3):
+            batches = list(loader)
+            assert [int(i) for b in batches for i in b[:, 0, 0, 0]] == list(range(40))
+        assert loader.stats.transport == {"shared": 12, "pickled": 0}
+        if service is None:
+            assert loader._blocks is not None
+            assert loader._blocks.segments <= loader._blocks.max_blocks
+        del batches
+    assert segments_settle(before) == before
+
+
+@pytest.mark.parametrize("service", [None, "process"])
 def test_kept_batches_never_change_while_blocks_are_reused(
     urls: list[str], service: str | None
 ) -> None:

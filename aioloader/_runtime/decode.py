@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._cache import CachedSample, SharedCache
-from .._collate import default_collate
+from .._collate import concatenate, default_collate
 from .._sampling import sample_rng
 from .._stats import now
 from . import transport
@@ -163,6 +163,27 @@ def run_chunk(
     except Exception as e:
         result.failure = (None, one_line(e), traceback.format_exc())
     return result
+
+
+def join_results(results: list[ChunkResult], sizes: list[int],
+                 allocate: transport.BlockAllocator | None = None) -> ChunkResult:
+    """The results of consecutive parts of one chunk (of `sizes` samples each, collated by
+    `default_collate`) as the one result of the whole chunk: its first failure, its skipped
+    samples at their places in the chunk, one batch (its arrays from `allocate`, if given)."""
+    joined = ChunkResult([], [], process=results[0].process)
+    offset = 0
+    for result, size in zip(results, sizes, strict=True):
+        joined.skipped += [(offset + position, reason) for position, reason in result.skipped]
+        if result.failure is not None and joined.failure is None:
+            joined.failure = result.failure
+        offset += size
+    if joined.failure is None:
+        batches = [result.items[0] for result in results if result.items]
+        try:
+            joined.items = [concatenate(batches, allocate)] if batches else []
+        except Exception as e:
+            joined.failure = (None, one_line(e), traceback.format_exc())
+    return joined
 
 
 @dataclass(frozen=True)

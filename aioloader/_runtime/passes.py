@@ -26,6 +26,8 @@ from typing import Any, Protocol
 from .._errors import LoaderError, RemoteTraceback, SampleError, StallError
 from .._stats import LoaderStats, now
 from ..storage._storage import Storage
+from . import transport
+from .decode import join_results
 from .decoders import Decoder
 from .handover import EMPTY, Failed, Finished, Handover
 from .messages import Chunk, ChunkResult
@@ -52,6 +54,9 @@ class PassConfig:
     decode_window: int
     """Chunks decoding or finished and not yet taken, at most."""
     stall_timeout: float
+    first_chunk_parts: int = 1
+    """Decode processes the pass's first chunk is divided among (its batch comes that many
+    times sooner); 1: not divided (a collate of the user's own cannot be joined)."""
 
 
 class Source(Protocol):
@@ -109,6 +114,8 @@ class Pass:
         """Moving averages of a sample's bytes, raw and decoded."""
         self._decoding = 0
         self._decoded_any = False
+        self._parts = config.first_chunk_parts
+        """What the next chunk to decode is divided into: the first one only."""
         self._lent: set[str] = set()
         self._tasks = TaskSet()
         self._progress_at = now()
@@ -383,22 +390,10 @@ class Pass:
         if pending.failure is not None:
             return Failed(pending.failure), 0
         kept = [n for n, raw in enumerate(pending.raws) if raw is not SKIPPED]
-        slot = self._blocks.lease() if self._blocks is not None else None
-        if slot is not None:
-            self._lent.add(slot.name)
-        chunk = Chunk(self.config.epoch, [pending.indices[n] for n in kept],
-                      [pending.raws[n] for n in kept], slot, pending.first_step)
-        try:
-            result = await self._decoder.decode(chunk)
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            if slot is not None and self._blocks is not None:
-                self._lent.discard(slot.name)
-                self._blocks.retire_later(slot.name)  # its process may have been mid-write
-            raise
-        held = self._receive(result, slot)
-        self._record(result)
+        parts, self._parts = min(self._parts, len(kept)), 1
+        result, held = await (self._decode_divided(pending, kept, parts)
+                              if parts > 1 and self._blocks is not None
+                              else self._decode_part(pending, kept))
         failure = self._failure_of(pending, kept, result)
         if failure is not None:
             return Failed(failure), held
@@ -410,15 +405,71 @@ class Pass:
         skipped.update(n for n, raw in enumerate(pending.raws) if raw is SKIPPED)
         return [EMPTY if n in skipped else next(decoded) for n in range(pending.steps)], held
 
-    def _receive(self, result: ChunkResult, slot: Slot | None) -> int:
+    async def _decode_part(self, pending: Pending, positions: list[int], here: bool = False
+                           ) -> tuple[ChunkResult, int]:
+        """Decode the samples of `pending` at `positions`; the result and the bytes it holds.
+        `here`: the result is a part, to be joined in this process, in a block of its own
+        (sized for a part, it is removed once joined, never lent again)."""
+        slot = self._blocks.lease(once=here) if self._blocks is not None else None
+        if slot is not None:
+            self._lent.add(slot.name)
+        chunk = Chunk(self.config.epoch, [pending.indices[n] for n in positions],
+                      [pending.raws[n] for n in positions], slot, pending.first_step)
+        try:
+            result = await self._decoder.decode(chunk)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            if slot is not None and self._blocks is not None:
+                self._lent.discard(slot.name)
+                self._blocks.retire_later(slot.name)  # its process may have been mid-write
+            raise
+        self._record(result)
+        return result, self._receive(result, slot, here)
+
+    async def _decode_divided(self, pending: Pending, kept: list[int], parts: int
+                              ) -> tuple[ChunkResult, int]:
+        """A chunk decoded in `parts` processes at once, its parts joined here (the first
+        batch of a pass: every process starts at once, and the batch comes `parts` times
+        sooner), then put in a shared block as a decode process would."""
+        size = -(-len(kept) // parts)
+        pieces = [kept[start:start + size] for start in range(0, len(kept), size)]
+        decoded = [result for result, _ in await asyncio.gather(
+            *(self._decode_part(pending, piece, here=True) for piece in pieces))]
+        # the parts' bytes: at least what the joined arrays need
+        needed = sum(transport.shared_bytes(part.items) for part in decoded)
+        slot = (self._blocks.lease() if self._blocks is not None
+                and needed >= transport.SMALL_RESULT else None)
+        allocate, no_space = None, False
+        if slot is not None:
+            self._lent.add(slot.name)
+            try:
+                allocate = transport.allocator(slot, needed)
+            except transport.NoSpace:
+                no_space = True
+        joined = join_results(decoded, [len(piece) for piece in pieces], allocate)
+        joined.no_space = no_space
+        if allocate is not None and allocate.used and joined.failure is None:
+            joined.items = allocate.places(joined.items)  # joined straight into the block
+            joined.needed, joined.shared = allocate.used, True
+        else:
+            joined.needed = transport.shared_bytes(joined.items)
+            if allocate is not None and self._blocks is not None and slot is not None:
+                self._lent.discard(slot.name)
+                self._blocks.retire(slot.name)  # made for this batch, which went elsewhere
+                slot = None
+        return joined, self._receive(joined, slot)
+
+    def _receive(self, result: ChunkResult, slot: Slot | None, here: bool = False) -> int:
         """Map a result's arrays out of its shared block, or give the unused block back; the
-        bytes the result holds."""
-        blocks, transport = self._blocks, self._stats.transport
+        bytes the result holds. `here`: a part of a batch, mapped in this process to be joined
+        (counted with the batch)."""
+        blocks, counts = self._blocks, self._stats.transport
         if blocks is not None and slot is not None:
             self._lent.discard(slot.name)
             if result.shared:
-                result.items = blocks.adopt(result.items, slot)
-                transport["shared"] += 1
+                result.items = blocks.adopt(result.items, slot, here)
+                counts["shared"] += not here
                 return result.needed
             if result.no_space:
                 self._warn_no_space(result.needed)
@@ -426,8 +477,8 @@ class Pass:
                 blocks.retire(slot.name)  # too small for these batches: a fresh one next time
             else:
                 blocks.release(slot.name)
-        if result.items and result.needed:
-            transport["pickled"] += 1
+        if result.items and result.needed and not here:
+            counts["pickled"] += 1
         return result.needed
 
     def _warn_no_space(self, needed: int) -> None:

@@ -129,11 +129,8 @@ def write(value: Any, slot: Slot, needed: int) -> Any | None:
     """The shareable arrays of `value` copied into the slot's block (created now, `needed`
     bytes, when the slot is a fresh name), replaced by their places; None if the block is too
     small. NoSpace when /dev/shm cannot hold a fresh block."""
-    if slot.size == 0:
-        block = shm.create(slot.name, needed, populate=True)
-    elif needed <= slot.size:
-        block = shm.attach(slot.name, populate=True)
-    else:
+    block = _block(slot, needed)
+    if block is None:
         return None
     memory = np.frombuffer(block, np.uint8)
     offset = 0
@@ -151,6 +148,21 @@ def write(value: Any, slot: Slot, needed: int) -> Any | None:
     return map_arrays(value, place)
 
 
+def allocator(slot: Slot, needed: int) -> BlockAllocator | None:
+    """An allocator over the slot's block (created now, `needed` bytes, when the slot is a
+    fresh name); None if the block is too small. NoSpace when /dev/shm cannot hold it."""
+    block = _block(slot, needed)
+    return None if block is None else BlockAllocator(slot, block)
+
+
+def _block(slot: Slot, needed: int) -> mmap.mmap | None:
+    if slot.size == 0:
+        return shm.create(slot.name, needed, populate=True)
+    if needed <= slot.size:
+        return shm.attach(slot.name, populate=True)
+    return None
+
+
 class NoRoom(Exception):
     """A batch outgrew the block it was being collated into."""
 
@@ -160,9 +172,10 @@ class BlockAllocator:
     straight into shared memory (one copy less than collating, then copying). The block is
     mapped at the first array asked for: a custom collate never maps it here."""
 
-    def __init__(self, slot: Slot) -> None:
+    def __init__(self, slot: Slot, block: mmap.mmap | None = None) -> None:
         self._slot = slot
-        self._memory: npt.NDArray[np.uint8] | None = None
+        self._memory: npt.NDArray[np.uint8] | None = (
+            None if block is None else np.frombuffer(block, np.uint8))
         self.used = 0
         self._places: dict[int, tuple[npt.NDArray[Any], SharedArray]] = {}
 
@@ -239,24 +252,29 @@ class BlockPool(ProcessBound):
         self._late: set[str] = set()
         """Names lent to processes that were killed: unlinked now and again at close, in case
         a dying process created one after the first unlink."""
+        self._once: set[str] = set()
+        """Blocks removed rather than kept when released."""
         self._lock = threading.Lock()
         self._closed = False
         self._names = (f"{shm.new_name('batch')}-{n}" for n in itertools.count())
 
-    def lease(self) -> Slot | None:
-        """A block for one task, or None when all are lent out (then the result is pickled)."""
+    def lease(self, once: bool = False) -> Slot | None:
+        """A block for one task, or None when all are lent out (then the result is pickled).
+        `once`: a fresh block, removed when released (a part of a batch: an odd size)."""
         if self.foreign:  # a forked child: the blocks are the parent's
             return None
         with self._lock:
             if self._closed:
                 return None
-            if self._free:
+            if self._free and not once:
                 name = self._free.pop()
                 return Slot(name, self._sizes[name])
             if len(self._sizes) >= self.max_blocks or self.bytes >= self.max_bytes:
                 return None
             name = next(self._names)
             self._sizes[name] = 0
+            if once:
+                self._once.add(name)
             return Slot(name, 0)
 
     def release(self, name: str) -> None:
@@ -272,7 +290,8 @@ class BlockPool(ProcessBound):
                 self._holds[name] = holds
                 return
             idle_after = self.idle_bytes + self._sizes[name]
-            if self._closed or self.bytes > self.max_bytes or idle_after > self._max_idle:
+            if (self._closed or name in self._once or self.bytes > self.max_bytes
+                    or idle_after > self._max_idle):
                 self._remove(name)
             elif name not in self._free:
                 self._free.append(name)
@@ -292,18 +311,20 @@ class BlockPool(ProcessBound):
             self._remove(name)
             self._late.add(name)
 
-    def adopt(self, items: list[Any], slot: Slot) -> list[Any]:
+    def adopt(self, items: list[Any], slot: Slot, here: bool = False) -> list[Any]:
         """A result's items with each SharedArray replaced by a view of the block; the block
         returns to the pool once every view is gone. Exporting, each item becomes an
-        `Exported` part instead, which the process it is sent to maps (`views`)."""
+        `Exported` part instead, which the process it is sent to maps (`views`), unless the
+        items are for `here` (the parts of a batch joined in this process)."""
+        export = self.export and not here
         with self._lock:
             block = self._maps.get(slot.name)
             if block is None:  # made by the decode process just now
                 block = self._maps[slot.name] = shm.attach(slot.name)
                 self._sizes[slot.name] = len(block)
-            if self.export and items:
+            if export and items:
                 self._holds[slot.name] = len(items)
-        if self.export:
+        if export:
             if not items:
                 self.release(slot.name)
             parts = [Exported(slot.name, item) for item in items]
@@ -331,6 +352,7 @@ class BlockPool(ProcessBound):
 
     def _remove(self, name: str) -> None:
         """Unlink a block; its memory goes when the last view of it does."""
+        self._once.discard(name)
         self._maps.pop(name, None)
         self._sizes.pop(name, None)
         self._holds.pop(name, None)
