@@ -74,9 +74,10 @@ CAVEATS = """\
   - the proxy and moto share the 2 cores with the loader (srv1); per-object rows load them most
   - aioloader forks its decode processes from a helper it starts once per interpreter (about
     0.3 s, counted in epoch 1); DataLoader workers fork from the warm parent
-  - shuffling differs: full permutations (per-object, RecordIO), shard order + a 1000-sample
-    buffer (aioloader tar: one buffer, giving samples once it holds 100; WebDataset: one per
-    worker), chunk-wise (LitData), block-wise (Mosaic); WebDataset gives each worker whole
+  - shuffling differs: full permutations (per-object, RecordIO), shard order + 1000 samples
+    (aioloader tar: windows of 1000 consecutive samples, each read whole before it gives any;
+    WebDataset: a buffer per worker, giving samples once it holds 100), chunk-wise (LitData),
+    block-wise (Mosaic); WebDataset gives each worker whole
     shards, so a few shards make its epoch end lopsided"""
 
 
