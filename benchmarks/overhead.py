@@ -21,7 +21,9 @@ from benchmarks_common import samples_per_second
 
 import aioloader
 
-SAMPLES = 64 * 400
+SAMPLES = 64 * 1600
+"""About a second per epoch: at 25,600 samples an epoch lasted 0.15 s and the ratios moved
+from 1.05x to 1.90x between runs."""
 BATCH = 64
 
 
