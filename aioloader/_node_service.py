@@ -226,6 +226,7 @@ class _Node:
         if self._share is None:
             init.environment.take_on()
             config: LoaderConfig = pickle.loads(init.code)
+            init.environment.filter_warnings()  # the categories the configuration imported
             await off_loop(Zygote.get().preload, list(init.packages))
             self._share = NodeShare(config, node.local_ranks())
             self._fingerprint = init.fingerprint

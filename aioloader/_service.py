@@ -31,7 +31,7 @@ from ._config import LoaderConfig
 from ._errors import LoaderError, RemoteTraceback
 from ._loader import Loader
 from ._loopthread import new_event_loop
-from ._runtime.channel import Channel, dumps, frame, read_message
+from ._runtime.channel import Channel, dumps, dumps_data, frame, read_message
 from ._runtime.decode import one_line
 from ._runtime.passes import END, Pass
 from ._runtime.service_client import ServiceInit
@@ -51,6 +51,7 @@ def run(descriptor: int, zygote_descriptor: int, zygote_pid: int) -> int:
         init: ServiceInit = channel.receive()
         init.environment.take_on()
         config: LoaderConfig = pickle.loads(init.code)
+        init.environment.filter_warnings()  # the categories the configuration imported
         loader = Loader._in_service(config)
     except BaseException as e:
         with contextlib.suppress(OSError):
@@ -163,7 +164,7 @@ class Service:
         if item is END:
             self._send(("end", self._stats()))
             return False
-        data = dumps(("batch", item, running.position))
+        data = dumps_data(("batch", item, running.position))
         blocks = self._loader._blocks
         if isinstance(item, Exported) and blocks is not None:
             blocks.hold(item.name)  # the client's, until it releases it

@@ -774,15 +774,28 @@ import aioloader
 
 print({MARKER!r}, flush=True)
 paths = sorted(str(p) for p in Path(sys.argv[1]).glob("*.bin"))
+
+
+class DataWarning(UserWarning):  # a class of __main__: the filter takes it by value
+    pass
+
+
 warnings.filterwarnings("error", message="made by decode", category=UserWarning)
+warnings.filterwarnings("error", message="main", category=DataWarning)
+warnings.simplefilter("error", (FutureWarning, DataWarning))  # a tuple: warnings matches it
+
+
+def raises(message, category):
+    try:
+        warnings.warn(message, category)
+    except category:
+        return True
+    return False
 
 
 def decode(raw):
-    try:
-        warnings.warn("made by decode", UserWarning)
-        raised = False
-    except UserWarning:
-        raised = True
+    raised = (raises("made by decode", UserWarning) and raises("main", DataWarning)
+              and raises("tuple", FutureWarning))
     return raised, any(name.startswith("aiohttp.") for name in sys.modules)  # not a name
     # of a module: the preload would take it for one the decode processes need
 

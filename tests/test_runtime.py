@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -15,7 +16,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -417,3 +420,47 @@ def test_the_packages_behind_a_decode_function_are_found_for_the_zygote(
         sys.modules.pop("user_helpers", None)
     assert {"numpy", "json"} <= set(found)
     assert "user_decoders" not in found and "user_helpers" not in found
+
+
+def _renamed(function: Any) -> Any:
+    def wrapper(*args: Any) -> Any:  # no functools.wraps: the method's name is now "wrapper"
+        return function(*args)
+    return wrapper
+
+
+class _Scaler:
+    def __init__(self, factor: int) -> None:
+        self.factor = factor
+
+    @_renamed
+    def scale(self, value: int) -> int:
+        return self.factor * value
+
+
+def test_chunk_messages_send_a_renamed_bound_method_by_value_not_by_its_name() -> None:
+    """The standard pickler saves a bound method as its object's attribute of the function's
+    name, which a decorator may have changed; such a method goes by cloudpickle."""
+    from aioloader._runtime.channel import dumps_data
+
+    sent = pickle.loads(dumps_data({"decode": _Scaler(3).scale}))
+    assert sent["decode"](7) == 21
+
+
+class _ShortFetchMany(aioloader.Dataset):
+    """Its `fetch_many` drops the last item of each call."""
+
+    batched_fetch = True
+
+    def __len__(self) -> int:
+        return 20
+
+    async def fetch(self, index: int) -> int:
+        return index
+
+    async def fetch_many(self, indices: Sequence[int]) -> list[int]:
+        return list(indices)[:-1]
+
+
+def test_a_fetch_many_that_gives_the_wrong_count_is_read_sample_by_sample() -> None:
+    loader = aioloader.Loader(_ShortFetchMany(), batch_size=5, num_workers=0)
+    assert [int(i) for batch in loader for i in batch] == list(range(20))

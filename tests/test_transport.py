@@ -66,6 +66,30 @@ def test_a_first_batch_joined_from_parts_comes_in_one_block_and_its_parts_go(
     assert segments_settle(before) == before
 
 
+def mixed_widths(raw: bytes) -> dict[str, object]:
+    """Parts of one batch get different dtypes: strings of 1 and 60 characters, int32 and
+    Python ints, so the joined batch is wider than its parts together."""
+    index = int.from_bytes(raw[:4], "little")
+    return {"image": np.full((3, 64, 64), index, np.float32),
+            "name": np.str_("n" if index < 4 else "n" * 60),
+            "count": np.int32(index) if index < 4 else index,
+            "rows": np.array([[index]], dtype=np.int8 if index < 4 else np.int64)}
+
+
+def test_a_first_batch_whose_parts_differ_in_dtype_joins_as_one_collate_would(
+    local_paths: list[str]
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths[:16]), decode=mixed_widths,
+                              batch_size=8, num_workers=2)
+    inline = aioloader.Loader(aioloader.Files(local_paths[:16]), decode=mixed_widths,
+                              batch_size=8, num_workers=0)
+    with loader:
+        for ours, theirs in zip(loader, inline, strict=True):
+            for key in theirs:
+                assert np.asarray(ours[key]).dtype == np.asarray(theirs[key]).dtype, key
+                assert np.array_equal(ours[key], theirs[key]), key
+
+
 @pytest.mark.parametrize("service", [None, "process"])
 def test_kept_batches_never_change_while_blocks_are_reused(
     urls: list[str], service: str | None

@@ -177,13 +177,24 @@ def join_results(results: list[ChunkResult], sizes: list[int],
         if result.failure is not None and joined.failure is None:
             joined.failure = result.failure
         offset += size
-    if joined.failure is None:
-        batches = [result.items[0] for result in results if result.items]
+    batches = [result.items[0] for result in results if result.items]
+    if joined.failure is None and batches:
         try:
-            joined.items = [concatenate(batches, allocate)] if batches else []
+            joined.items = [_joined(batches, allocate)]
         except Exception as e:
             joined.failure = (None, one_line(e), traceback.format_exc())
     return joined
+
+
+def _joined(batches: list[Any], allocate: transport.BlockAllocator | None) -> Any:
+    """Into the block when it can hold the batch (parts of different dtypes join wider than
+    their sum, and object arrays have no place in shared memory), else as usual."""
+    if allocate is not None:
+        try:
+            return concatenate(batches, allocate)
+        except Exception:
+            allocate.used = 0
+    return concatenate(batches)
 
 
 @dataclass(frozen=True)

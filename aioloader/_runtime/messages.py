@@ -11,7 +11,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from . import transport
 
@@ -75,6 +75,13 @@ class ChunkResult:
         return {**vars(self), "items": own_elements(self.items)}
 
 
+class _Named(NamedTuple):
+    """A warning category by name, found again where its module is imported."""
+
+    module: str
+    qualname: str
+
+
 @dataclass(frozen=True)
 class Environment:
     """The main process's import path, arguments, working directory, environment variables and
@@ -84,15 +91,17 @@ class Environment:
     argv: list[str]
     cwd: str
     environ: dict[str, str]
-    warning_filters: list[tuple[str, Any, tuple[str, str], Any, int]]
-    """Each filter with its category by name: a filter on a class of aiohttp (which
+    warning_filters: list[tuple[str, Any, Any, Any, int]]
+    """Each filter with its category by name, or by value when no other process can find it
+    by name (a class of `__main__` or of a function): a filter on a class of aiohttp (which
     `aiohttp.web` adds) or of torch, unpickled, would import that package in every process
     (0.15 s for aiohttp in each decode process, before its first chunk)."""
 
     @classmethod
     def here(cls) -> Environment:
-        filters = [(action, message, (kind.__module__, kind.__qualname__), module, line)
-                   for action, message, kind, module, line in cast(list[Any], warnings.filters)]
+        filters = [(action, message, _by_name(category), module, line)
+                   for action, message, category, module, line in cast(
+                       list[Any], warnings.filters)]
         return cls(list(sys.path), list(sys.argv), os.getcwd(), dict(os.environ), filters)
 
     def take_on(self) -> None:
@@ -105,15 +114,36 @@ class Environment:
 
     def filter_warnings(self) -> None:
         """The filters whose category this process has imported (a warning of a class not
-        imported here cannot be raised here); called again once decode code is imported."""
+        imported here cannot be raised here); called again once decode code is imported. A
+        module imported later, by decode itself, does not bring its filters back."""
         warnings.resetwarnings()
         filters = cast(list[Any], warnings.filters)
-        for action, message, (module, name), text_module, line in self.warning_filters:
-            category: Any = sys.modules.get(module)
-            for part in name.split("."):
-                category = getattr(category, part, None)
-            if isinstance(category, type) and issubclass(category, Warning):
-                filters.append((action, message, category, text_module, line))
+        for action, message, category, module, line in self.warning_filters:
+            found = _category(category)
+            if found is not None:
+                filters.append((action, message, found, module, line))
+
+
+def _by_name(category: Any) -> Any:
+    if isinstance(category, tuple):  # warnings matches a tuple of classes too
+        return tuple(_by_name(member) for member in category)
+    if (isinstance(category, type) and category.__module__ != "__main__"
+            and "<locals>" not in category.__qualname__):
+        return _Named(category.__module__, category.__qualname__)
+    return category
+
+
+def _category(named: Any) -> Any:
+    """The category `named` stands for here; None if its module is not imported here."""
+    if isinstance(named, _Named):
+        found: Any = sys.modules.get(named.module)
+        for part in named.qualname.split("."):
+            found = getattr(found, part, None)
+        return found if isinstance(found, type) and issubclass(found, Warning) else None
+    if isinstance(named, tuple):
+        members = tuple(m for m in map(_category, named) if m is not None)
+        return members or None
+    return named
 
 
 @dataclass(frozen=True)

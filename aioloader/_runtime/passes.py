@@ -21,7 +21,7 @@ import heapq
 import warnings
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from .._errors import LoaderError, RemoteTraceback, SampleError, StallError
 from .._stats import LoaderStats, now
@@ -434,8 +434,13 @@ class Pass:
         sooner), then put in a shared block as a decode process would."""
         size = -(-len(kept) // parts)
         pieces = [kept[start:start + size] for start in range(0, len(kept), size)]
-        decoded = [result for result, _ in await asyncio.gather(
-            *(self._decode_part(pending, piece, here=True) for piece in pieces))]
+        outcomes = await asyncio.gather(
+            *(self._decode_part(pending, piece, here=True) for piece in pieces),
+            return_exceptions=True)  # every part ends before the chunk does, even on failure
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        decoded = [cast(tuple[ChunkResult, int], outcome)[0] for outcome in outcomes]
         # the parts' bytes: at least what the joined arrays need
         needed = sum(transport.shared_bytes(part.items) for part in decoded)
         slot = (self._blocks.lease() if self._blocks is not None

@@ -20,7 +20,7 @@ from typing import Any
 
 from .._closing import ProcessBound
 from .._errors import LoaderError
-from .channel import Channel, dumps
+from .channel import Channel, dumps, dumps_data
 from .decode import DecodeSpec
 from .messages import STOP, Environment, Imported, Init, Ready
 from .zygote import Zygote
@@ -75,7 +75,8 @@ class DecodeProcess(ProcessBound):
     def _send_all(self) -> None:
         while (message := self._outbox.get()) is not None:
             try:
-                self._channel.send_bytes(message if isinstance(message, bytes) else dumps(message))
+                self._channel.send_bytes(
+                    message if isinstance(message, bytes) else dumps_data(message))
             except OSError:
                 return  # the process is gone; the receiving thread reports it
 

@@ -13,7 +13,7 @@ import traceback
 
 import numpy as np
 
-from .channel import Channel
+from .channel import Channel, dumps_data
 from .decode import DecodeSpec, WorkerInfo, one_line, respond, set_worker_info
 from .messages import STOP, Done, Imported, Init, InitFailed, Ready
 from .preload import installed_packages
@@ -52,7 +52,7 @@ def serve(descriptor: int) -> int:
             return 1
         channel.send(Ready(os.getpid()))
         while (message := channel.receive()) != STOP:
-            channel.send(Done(message.id, respond(spec, message.chunk)))
+            channel.send_bytes(dumps_data(Done(message.id, respond(spec, message.chunk))))
             if not reported:
                 reported = True
                 channel.send(Imported(installed_packages(set(sys.modules) - preloaded)))

@@ -37,7 +37,7 @@ from .._closing import ProcessBound
 from .._errors import LoaderError, RemoteTraceback
 from .._stats import LoaderStats
 from . import shm
-from .channel import Channel
+from .channel import Channel, dumps_data
 from .messages import Environment
 from .transport import Exported, views
 from .zygote import START_TIMEOUT, Zygote
@@ -247,7 +247,7 @@ class ServiceClient(ProcessBound):
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self._check_usable()
-        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)  # plain data: no cloudpickle
+        data = dumps_data(message)  # an open's warning filters may name classes of __main__
         try:
             with self._sending:
                 self._channel.send_bytes(data)

@@ -169,6 +169,8 @@ class PlannedSource:
         self._in_flight[id(pending), 0] = (started, pending.indices[0])
         try:
             raws = list(await self.dataset.fetch_many(pending.indices))
+            if len(raws) != len(pending.indices):
+                raise ValueError(f"fetch_many gave {len(raws)} items for {len(pending.indices)}")
         except Exception:
             raws = []  # find which sample failed, one by one
             for position, index in enumerate(pending.indices):
