@@ -46,22 +46,16 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
         # torch tensors and other array-likes: as arrays (CPU tensors without a copy)
         return default_collate([np.asarray(s) for s in samples], allocate)
 
-    def collate(part: Sequence[Any]) -> Any:
-        return default_collate(part, allocate)
-
-    if isinstance(first, Mapping):
-        collated = {key: collate([s[key] for s in samples]) for key in first}
-        return collated if type(first) is dict else type(first)(collated)  # type: ignore[call-arg]
-    if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
-        return type(first)(*(collate(field) for field in zip(*samples, strict=True)))
-    if isinstance(first, (tuple, list)):
-        if any(len(s) != len(first) for s in samples):
-            raise ValueError("each sample in a batch must have the same number of fields")
-        return type(first)(collate(field) for field in zip(*samples, strict=True))
-    raise TypeError(
-        f"default_collate does not know how to batch {type(first).__name__}; "
-        "pass collate= to the Loader"
-    )
+    if (isinstance(first, (tuple, list)) and not hasattr(first, "_fields")
+            and any(len(s) != len(first) for s in samples)):
+        raise ValueError("each sample in a batch must have the same number of fields")
+    collated = _by_field(samples, lambda part: default_collate(part, allocate))
+    if collated is NotImplemented:
+        raise TypeError(
+            f"default_collate does not know how to batch {type(first).__name__}; "
+            "pass collate= to the Loader"
+        )
+    return collated
 
 
 def concatenate(batches: Sequence[Any], allocate: Allocate | None = None) -> Any:
@@ -77,17 +71,24 @@ def concatenate(batches: Sequence[Any], allocate: Allocate | None = None) -> Any
         return np.concatenate(batches, out=allocate(shape, np.result_type(*batches)))
     if isinstance(first, list) and all(isinstance(v, (str, bytes)) for v in first):
         return [value for batch in batches for value in batch]
+    joined = _by_field(batches, lambda part: concatenate(part, allocate))
+    if joined is NotImplemented:
+        raise TypeError(f"cannot join batches of {type(first).__name__}")
+    return joined
+
+
+def _by_field(values: Sequence[Any], combine: Callable[[Sequence[Any]], Any]) -> Any:
+    """Dicts, namedtuples, tuples or lists of one structure (samples, or batches), as that
+    structure of `combine` over each field's values; NotImplemented for anything else."""
+    first = values[0]
     if isinstance(first, Mapping):
-        joined = {key: concatenate([batch[key] for batch in batches], allocate)
-                  for key in first}
-        return joined if type(first) is dict else type(first)(joined)  # type: ignore[call-arg]
+        combined = {key: combine([value[key] for value in values]) for key in first}
+        return combined if type(first) is dict else type(first)(combined)  # type: ignore[call-arg]
     if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
-        return type(first)(*(concatenate(field, allocate)
-                             for field in zip(*batches, strict=True)))
+        return type(first)(*(combine(field) for field in zip(*values, strict=True)))
     if isinstance(first, (tuple, list)):
-        return type(first)(concatenate(field, allocate)
-                           for field in zip(*batches, strict=True))
-    raise TypeError(f"cannot join batches of {type(first).__name__}")
+        return type(first)(combine(field) for field in zip(*values, strict=True))
+    return NotImplemented
 
 
 def _scalar_dtype(value: Any) -> np.dtype[Any] | None:
