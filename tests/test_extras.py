@@ -59,11 +59,13 @@ def test_demo_without_pillow_shows_the_headline_and_names_the_image_extra(
     assert "pip install 'aioloader[image]'" in done.stdout
 
 
-def test_missing_obstore_names_the_s3_extra() -> None:
+@pytest.mark.parametrize(("prefix", "extra"), [("s3://bucket/p/", "s3"), ("gs://bucket/p/", "gcs"),
+                                              ("az://container/p/", "azure")])
+def test_missing_obstore_names_the_extra_of_the_store(prefix: str, extra: str) -> None:
     assert_names_extra(run_without("obstore", "import aioloader\n"
-                                              "aioloader.Files.from_prefix('s3://bucket/p/')"),
-                       "s3")
-    assert_one_cli_line(cli_without("obstore", "inspect", "s3://bucket/train.rec"), "s3")
+                                              f"aioloader.Files.from_prefix({prefix!r})"),
+                       extra)
+    assert_one_cli_line(cli_without("obstore", "inspect", prefix + "train.rec"), extra)
 
 
 def test_missing_torch_names_the_torch_extra() -> None:
@@ -92,6 +94,6 @@ def test_the_extras_named_exist_and_all_holds_every_one() -> None:
     tomllib = pytest.importorskip("tomllib")
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     extras = tomllib.loads(text)["project"]["optional-dependencies"]
-    optional = ["image", "parquet", "plot", "s3", "torch"]
+    optional = ["azure", "gcs", "image", "parquet", "plot", "s3", "torch"]
     assert set(optional) <= extras.keys()
     assert extras["all"] == [f"aioloader[{','.join(optional)}]"]

@@ -1,4 +1,5 @@
-"""One object per sample: local paths, file://, http(s):// or s3:// URLs, with optional labels."""
+"""One object per sample: local paths or URLs of any store (file://, http(s)://, s3://, gs://,
+az://), with optional labels."""
 
 from __future__ import annotations
 
@@ -39,13 +40,11 @@ class Files(Dataset):
 
     @classmethod
     def from_prefix(cls, prefix: str, labels: Iterable[Any] | None = None) -> Files:
-        """Every object under `s3://bucket/prefix` (or the whole bucket: `s3://bucket/`), in
-        key order; a listing that fails raises FetchError naming the prefix and S3's answer."""
-        from ..storage._s3 import list_keys
-
-        if not prefix.startswith("s3://"):
-            raise ValueError(f"from_prefix lists s3:// prefixes, got {prefix!r}")
-        return cls(list_keys(prefix), labels)
+        """Every object whose URL starts with `prefix`, in order: `s3://bucket/prefix`,
+        `gs://`, `az://`, or the whole bucket (`s3://bucket/`); a local folder (`data/train/`)
+        at any depth. A listing that fails raises FetchError naming the prefix and the
+        store's answer; http(s):// has no listing (ValueError)."""
+        return cls(storage.list_prefix(prefix), labels)
 
     def __len__(self) -> int:
         return len(self._urls)

@@ -1,4 +1,5 @@
-"""Async byte reads by URL: local paths and file://, http(s):// (aiohttp), s3:// (obstore).
+"""Async byte reads by URL: local paths and file://, http(s):// (aiohttp), s3://, gs:// and az://
+(obstore); one store per scheme (`_registry`).
 
 Inside a loader's `fetch`, these share the running loader's connection pool, retries and
 caches; outside a loader they open a short-lived one. (Imported on first use: decode processes

@@ -10,15 +10,18 @@ import re
 import zlib
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from .._errors import FetchError
-from ._counters import StorageCounters
-from ._limits import DEFAULT_MAX_OBJECT_BYTES, check_range, too_large
-from ._retry import Attempts, RetryPolicy, is_retryable, parse_retry_after
+from ._limits import check_range, too_large
+from ._retry import Attempts, is_retryable, parse_retry_after
 from ._version import Version
+
+if TYPE_CHECKING:
+    from ._interface import StoreSettings
 
 log = logging.getLogger("aioloader.storage")
 
@@ -135,17 +138,11 @@ def decoder_bits(url: str, response: aiohttp.ClientResponse, whole: bool) -> int
 class HttpStore:
     """One aiohttp session per event loop run; created on the first HTTP read."""
 
-    def __init__(
-        self,
-        max_connections: int,
-        policy: RetryPolicy,
-        counters: StorageCounters,
-        max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES,
-    ) -> None:
-        self._max_connections = max_connections
-        self._policy = policy
-        self._counters = counters
-        self._max_bytes = max_object_bytes
+    def __init__(self, settings: StoreSettings) -> None:
+        self._max_connections = settings.connections
+        self._policy = settings.policy
+        self._counters = settings.counters
+        self._max_bytes = settings.max_object_bytes
         self._session: aiohttp.ClientSession | None = None
         self._warned_ranges = False
 
@@ -280,6 +277,10 @@ class HttpStore:
                 "the range's end (counted in ranges_ignored; warned once)",
                 parts.scheme, parts.netloc,
             )
+
+    @classmethod
+    def list(cls, prefix: str) -> list[str]:
+        raise ValueError(f"{prefix!r}: HTTP has no listing of a prefix; give the URLs")
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -1,4 +1,5 @@
-"""Reads of local files on a thread pool the store owns and shuts down (aiofiles streams)."""
+"""Reads of local paths and file:// URLs on a thread pool the store owns and shuts down
+(aiofiles streams)."""
 
 from __future__ import annotations
 
@@ -6,27 +7,57 @@ import asyncio
 import os
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote, unquote, urlsplit
 
 import aiofiles
 
 from .._errors import FetchError
 
+if TYPE_CHECKING:
+    from ._interface import StoreSettings
+
 T = TypeVar("T")
+MAX_THREADS = 32
+
+
+def local_path(url: str) -> str | None:
+    """The file-system path a local URL names, or None for a remote URL. A file:// URL naming
+    another host is a ValueError: its path would be read on this one."""
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc.lower() not in ("", "localhost"):
+            raise ValueError(
+                f"{url!r} names the host {parts.netloc!r}: file:// reads this machine's files "
+                "(file:///path or file://localhost/path); use http(s):// for another host"
+            )
+        return unquote(parts.path)
+    if len(parts.scheme) > 1:  # one letter is a Windows drive
+        return None
+    return url
 
 
 def _error(path: str, error: OSError) -> FetchError:
     return FetchError(path, f"{type(error).__name__}: {error.strerror or error}")
 
 
-class LocalStore:
-    def __init__(self, max_threads: int) -> None:
-        self._executor = ThreadPoolExecutor(max_threads, thread_name_prefix="aioloader-file")
+def _path(url: str) -> str:
+    path = local_path(url)
+    if path is None:
+        raise ValueError(f"{url!r} is not a local path or file:// URL")
+    return path
 
-    async def read(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+
+class LocalStore:
+    def __init__(self, settings: StoreSettings) -> None:
+        self._executor = ThreadPoolExecutor(min(MAX_THREADS, settings.concurrency),
+                                            thread_name_prefix="aioloader-file")
+
+    async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
         """One trip to a file thread per read (open, read, close there): aiofiles' awaitable
         file would make three, and at thousands of files a second that is the main
         process's largest cost."""
+        path = _path(url)
         try:
             data = await self.run(_read_file, path, start, end)
         except OSError as e:
@@ -36,8 +67,8 @@ class LocalStore:
         return data
 
     async def read_many(self, paths: list[str]) -> list[bytes]:
-        """Whole files, in one trip to a file thread: for many small local files, a trip
-        each would cost more than the reads."""
+        """Whole files (paths, not URLs), in one trip to a file thread: for many small local
+        files, a trip each would cost more than the reads."""
         try:
             return await self.run(_read_files, paths)
         except _ReadFailed as e:
@@ -47,15 +78,17 @@ class LocalStore:
         """Run blocking file work on this store's threads."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
-    async def size(self, path: str) -> int:
+    async def size(self, url: str) -> int:
+        path = _path(url)
         try:
             return await self.run(os.path.getsize, path)
         except OSError as e:
             raise _error(path, e) from e
 
     async def stream(
-        self, path: str, start: int, end: int | None, chunk_size: int
+        self, url: str, start: int, end: int | None, chunk_size: int
     ) -> AsyncGenerator[bytes, None]:
+        path = _path(url)
         try:
             async with aiofiles.open(path, "rb", executor=self._executor) as f:
                 await f.seek(start)
@@ -72,7 +105,25 @@ class LocalStore:
         if end is not None and position < end:
             raise FetchError(path, f"short read: file ends at byte {position}, wanted {end}")
 
-    def close(self) -> None:
+    @classmethod
+    def list(cls, prefix: str) -> list[str]:
+        """Every file whose path starts with `prefix` (a folder ending in `/` gives all the
+        files under it, at any depth), in order: paths for a path, file:// URLs for one."""
+        path = _path(prefix)
+        folder = os.path.dirname(path)
+        if folder and not os.path.isdir(folder):
+            raise FetchError(prefix, f"no folder {folder!r} to list")
+        found = []
+        for root, _, names in os.walk(folder or ".", followlinks=True):
+            for name in names:
+                full = os.path.join(root, name) if folder else os.path.relpath(
+                    os.path.join(root, name))
+                if full.startswith(path):
+                    found.append(full)
+        found.sort()
+        return [f"file://{quote(p)}" for p in found] if path != prefix else found
+
+    async def aclose(self) -> None:
         self._executor.shutdown(wait=True)
 
 

@@ -8,67 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlsplit
 
 from .._closing import AsyncClosing
 from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
 from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Hedger
+from ._interface import Store, StoreSettings
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
-from ._local import LocalStore
+from ._local import LocalStore, local_path
+from ._registry import check_url, store_class
 from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
-from ._s3 import S3Store, split
 
-if TYPE_CHECKING:
-    from ._http import HttpStore
+__all__ = ["Storage", "borrowed", "check_url", "list_prefix", "local_path", "read", "read_range"]
 
-SCHEMES = ("", "file", "http", "https", "s3")
 _current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
     "aioloader_storage", default=None
 )
 
 
-def check_url(url: str) -> str:
-    """Return `url` if some store can read it, else raise a ValueError that says what can, or
-    what is wrong with it (see `_s3.split` and `local_path`)."""
-    scheme = urlsplit(url).scheme.lower()
-    if len(scheme) == 1 and os.name == "nt":  # a Windows drive letter, not a scheme
-        scheme = ""
-    if scheme not in SCHEMES:
-        raise ValueError(
-            f"unknown URL scheme {scheme!r} in {url!r}: use a local path, file://, http://, "
-            "https:// or s3://"
-        )
-    if scheme == "s3":
-        split(url)
-    else:
-        local_path(url)
-    return url
-
-
-def local_path(url: str) -> str | None:
-    """The file-system path a local URL names, or None for a remote URL. A file:// URL naming
-    another host is a ValueError: its path would be read on this one."""
-    parts = urlsplit(url)
-    if parts.scheme == "file":
-        if parts.netloc.lower() not in ("", "localhost"):
-            raise ValueError(
-                f"{url!r} names the host {parts.netloc!r}: file:// reads this machine's files "
-                "(file:///path or file://localhost/path); use http(s):// for another host"
-            )
-        return unquote(parts.path)
-    if parts.scheme in ("http", "https", "s3"):
-        return None
-    return url
-
-
 class Storage(AsyncClosing):
-    """Reads for one event loop: one HTTP session and one file thread pool, closed together."""
+    """Reads for one event loop, each through the store of its URL's scheme (`_registry`): one
+    file thread pool, and each remote store made on first use; closed together."""
 
     def __init__(
         self,
@@ -90,31 +53,23 @@ class Storage(AsyncClosing):
         """Reads in flight this storage is sized for (streams read that far ahead)."""
         self.counters = counters if counters is not None else StorageCounters()
         self._disk_cache = disk_cache
-        self._local = LocalStore(max_threads=min(32, concurrency))
-        self._policy = RetryPolicy(retries, timeout)
-        self._max_object_bytes = max_object_bytes
-        # room beyond the reads in flight for their hedges, which must not queue behind them
-        self._connections = concurrency + (HEDGE_CONNECTIONS if hedge is not False else 0)
-        self._http: HttpStore | None = None
-        self._s3: S3Store | None = None
+        self._settings = StoreSettings(
+            RetryPolicy(retries, timeout), self.counters, concurrency,
+            # room beyond the reads in flight for their hedges, which must not queue behind them
+            concurrency + (HEDGE_CONNECTIONS if hedge is not False else 0), max_object_bytes)
+        self._local = LocalStore(self._settings)
+        self._stores: dict[type[Store], Store] = {LocalStore: self._local}
         self._coalescer = RangeCoalescer(self._read)
         self._hedger = hedge if isinstance(hedge, Hedger) else (
             Hedger(self.counters) if hedge else None)
 
-    def _remote(self, url: str) -> HttpStore | S3Store:
-        """The store for a remote URL, S3 or HTTP, made on first use: obstore and aiohttp
-        are imported only by a loader that reads through them (aiohttp alone takes 0.15 s,
-        on the way to a first batch of local data)."""
-        if url[:5].lower() != "s3://":
-            if self._http is None:
-                from ._http import HttpStore
-
-                self._http = HttpStore(self._connections, self._policy, self.counters,
-                                       self._max_object_bytes)
-            return self._http
-        if self._s3 is None:
-            self._s3 = S3Store(self._policy, self.counters, self._max_object_bytes)
-        return self._s3
+    def _store(self, url: str) -> Store:
+        """The store for the URL, made on first use."""
+        kind = store_class(url)
+        store = self._stores.get(kind)
+        if store is None:
+            store = self._stores[kind] = kind(self._settings)
+        return store
 
     async def read(self, url: str) -> bytes:
         return await self._read(url, None, None)
@@ -122,7 +77,7 @@ class Storage(AsyncClosing):
     async def read_many(self, urls: list[str]) -> list[bytes]:
         """Whole objects: local files in one trip to a file thread, remote ones concurrently."""
         paths = [local_path(url) for url in urls]
-        if all(path is not None for path in paths):
+        if all(path is not None for path in paths):  # one trip to a file thread
             data = await self._local.read_many([p for p in paths if p is not None])
             self.counters.requests += len(data)
             self.counters.bytes_read += sum(map(len, data))
@@ -136,50 +91,43 @@ class Storage(AsyncClosing):
         return await self._coalescer.read(url, start, end)
 
     async def size(self, url: str) -> int:
-        """The object's size in bytes (a stat, or an HTTP HEAD)."""
-        path = local_path(url)
-        return await (self._remote(url).size(url) if path is None else self._local.size(path))
+        """The object's size in bytes (a stat, or a HEAD)."""
+        return await self._store(url).size(url)
 
     async def stream(
         self, url: str, start: int = 0, end: int | None = None, chunk_size: int = 1 << 20
     ) -> AsyncGenerator[bytes, None]:
         """The bytes from `start` to `end` (or the end) in chunks, without holding them all."""
-        path = local_path(url)
-        chunks = (
-            self._remote(url).stream(url, start, end, chunk_size)
-            if path is None
-            else self._local.stream(path, start, end, chunk_size)
-        )
-        async for chunk in chunks:
+        async for chunk in self._store(url).stream(url, start, end, chunk_size):
             self.counters.bytes_read += len(chunk)
             yield chunk
 
     async def _read(self, url: str, start: int | None, end: int | None) -> bytes:
-        path = local_path(url)
-        if path is None and self._disk_cache is not None:
-            data = await self._read_through_disk(self._disk_cache, url, start, end)
-        elif path is None:
-            data = await self._read_remote(url, start, end)
-        else:
-            data = await self._local.read(path, start, end)
+        store = self._store(url)
+        if store is self._local:
+            data = await store.read(url, start, end)
             self.counters.requests += 1
+        elif self._disk_cache is not None:
+            data = await self._read_through_disk(self._disk_cache, store, url, start, end)
+        else:
+            data = await self._read_remote(store, url, start, end)
         self.counters.bytes_read += len(data)
         return data
 
     async def _read_through_disk(
-        self, cache: DiskCache, url: str, start: int | None, end: int | None
+        self, cache: DiskCache, store: Store, url: str, start: int | None, end: int | None
     ) -> bytes:
         """Remote bytes from the disk cache, or from the network and then into the cache. The
         cache's SQLite and file work blocks, so it runs on the file threads; it never raises."""
         cached = await self._local.run(cache.get, url, start, end)
         if cached is not None:
             return cached
-        data = await self._read_remote(url, start, end)
+        data = await self._read_remote(store, url, start, end)
         await self._local.run(cache.put, url, start, end, data)
         return data
 
-    async def _read_remote(self, url: str, start: int | None, end: int | None) -> bytes:
-        store = self._remote(url)
+    async def _read_remote(self, store: Store, url: str, start: int | None, end: int | None
+                           ) -> bytes:
         large = start is not None and end is not None and end - start > HEDGE_MAX_BYTES
         if self._hedger is None or large:  # a large read is bound by bandwidth, not latency
             return await store.read(url, start, end)
@@ -195,12 +143,19 @@ class Storage(AsyncClosing):
             _current.reset(token)
 
     async def aclose(self) -> None:
+        """The remote stores, then the file threads, whatever fails on the way."""
         try:
             await self._coalescer.aclose()
-            if self._http is not None:
-                await self._http.aclose()
+            for store in self._stores.values():
+                if store is not self._local:
+                    await store.aclose()
         finally:
-            self._local.close()
+            await self._local.aclose()
+
+
+def list_prefix(prefix: str) -> list[str]:
+    """Every object whose URL starts with `prefix`, in order, from the store of its scheme."""
+    return store_class(prefix).list(prefix)
 
 
 @asynccontextmanager

@@ -1,0 +1,54 @@
+"""What every store is: the interface `Storage` reads through, and what it makes one with.
+
+A new store is one module with a class that has the methods of `Store`, and one line in
+`_registry.SCHEMES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+from ._counters import StorageCounters
+from ._limits import DEFAULT_MAX_OBJECT_BYTES
+from ._retry import RetryPolicy
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What every store of one `Storage` is made with."""
+
+    policy: RetryPolicy
+    counters: StorageCounters
+    concurrency: int = 64
+    """Reads in flight."""
+    connections: int = 64
+    """Connections a pool may open: the reads in flight and their hedges."""
+    max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
+
+
+class Store(Protocol):
+    """Reads of the URLs of one or more schemes. Made by `Storage`, one per class, on the
+    first read of one of its URLs; `list` needs no instance."""
+
+    def __init__(self, settings: StoreSettings) -> None: ...
+
+    async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The whole object, or bytes `start` up to `end` (FetchError naming the URL)."""
+        ...
+
+    async def size(self, url: str) -> int: ...
+
+    def stream(self, url: str, start: int, end: int | None, chunk_size: int
+               ) -> AsyncGenerator[bytes, None]:
+        """Bytes `start` to `end` (or the object's end) in chunks; a broken stream resumes
+        in the same object or fails."""
+        ...
+
+    @classmethod
+    def list(cls, prefix: str) -> list[str]:
+        """URLs of every object whose URL starts with `prefix`, in order."""
+        ...
+
+    async def aclose(self) -> None: ...
