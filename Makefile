@@ -19,6 +19,11 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(PIP) -e '.[all,dev]'
 	touch $(STAMP)
 
+# Azure's storage emulator for the az:// tests (the GCS one comes with the dev extra)
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
+$(AZURITE): | system-deps $(BIN)/python
+	npm install --prefix $(VENV)/azurite --no-audit --no-fund --loglevel=error azurite@3.37.0
+
 install: $(STAMP)
 
 # the demo needs the core and Pillow: no torch, no development tools
@@ -33,14 +38,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy aioloader
 
-# nginx serves plain static files to the tests (Range requests); Debian's nginx-light
+# nginx serves plain static files to the tests (Range requests); Debian's nginx-light. npm
+# installs Azurite.
 system-deps:
-	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || { \
-		SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	@{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } && command -v npm >/dev/null \
+	|| { SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nginx-light; }
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nginx-light npm; }
 
-test: lint system-deps
+test: lint system-deps $(AZURITE)
 	$(BIN)/pytest -q
 
 # SOAK_MINUTES=30 by default

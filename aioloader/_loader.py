@@ -42,11 +42,12 @@ from ._runtime import autotune, node, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
 from ._runtime.decode import DecodeSpec
-from ._runtime.decoders import Decoder, ExecutorDecoder, InlineDecoder, PoolDecoder
+from ._runtime.decoders import Decoder, InlineDecoder, PoolDecoder
 from ._runtime.fingerprint import fingerprint
 from ._runtime.passes import END, Pass, PassConfig
 from ._runtime.pool import DecodePool
 from ._runtime.preload import packages_behind
+from ._runtime.remote import BackendHolder, RemoteDecoder
 from ._runtime.service_client import ServiceClient, load_stats
 from ._runtime.sources import PlannedSource, StreamSource
 from ._runtime.transport import BlockPool
@@ -125,8 +126,10 @@ class Loader(Closing, AsyncClosing):
             before it); "skip" drops it, counts it in `stats.skipped` and goes on.
         persistent_workers: keep the decode processes between passes (until close()).
         retries, timeout: the read retry budget and the seconds a request may take.
-        executor: a `concurrent.futures.Executor` (a Dask cluster's, say) to decode on instead
-            of the built-in processes; it stays yours to close.
+        executor: where to decode instead of the built-in processes: a
+            `concurrent.futures.Executor`, a Dask `distributed.Client`, or "ray" (the Ray
+            cluster `ray.init()` finds: RAY_ADDRESS, else a local one started for this Loader
+            and stopped at close; `num_workers` actors). An executor or client stays yours.
         shared_memory: hand large batches back through /dev/shm instead of pickles.
         augment: with `cache=`, the random step `augment(value, rng)` run every epoch on the
             cached output of `decode`.
@@ -174,7 +177,7 @@ class Loader(Closing, AsyncClosing):
         persistent_workers: bool = False,
         retries: int = DEFAULT_RETRIES,
         timeout: float = DEFAULT_TIMEOUT,
-        executor: Executor | None = None,
+        executor: Executor | Literal["ray"] | Any | None = None,
         shared_memory: bool = True,
         augment: Callable[..., Any] | None = None,
         cache: SharedCache | None = None,
@@ -235,7 +238,7 @@ class Loader(Closing, AsyncClosing):
                       None, export=True, share=share)
         return loader
 
-    def _start(self, config: LoaderConfig, executor: Executor | None, export: bool = False,
+    def _start(self, config: LoaderConfig, executor: object, export: bool = False,
                share: NodeShare | None = None) -> None:
         self.config = config
         self._share = share
@@ -265,6 +268,9 @@ class Loader(Closing, AsyncClosing):
             config.seed, config.augment, config.cache, load, threads,
         )
         self._service = _ServiceHolder()
+        self._backend: BackendHolder | None = None
+        if executor is not None:
+            self._backend = BackendHolder(executor, self._spec, max(config.num_workers, 1))
         self._packages: list[str] = []
         if config.num_workers and executor is None and not export:  # a service's travelled
             self._packages = packages = packages_behind(self._check_serialisable())
@@ -301,7 +307,8 @@ class Loader(Closing, AsyncClosing):
                 max_bytes=config.memory_limit, export=export,
             )
         self._finalizer = weakref.finalize(self, _shut_down, self._holder,
-                                           None if share else self._blocks, self._service)
+                                           None if share else self._blocks, self._service,
+                                           self._backend)
 
     # -- settings (read-only: `config` holds them all) ---------------------------------------
 
@@ -606,8 +613,10 @@ class Loader(Closing, AsyncClosing):
                     side_tasks, owns_storage=share is None)
 
     def _decoder(self, epoch: int) -> Decoder:
-        if self.executor is not None:
-            return ExecutorDecoder(self._spec, self.executor)
+        if self._backend is not None:
+            return RemoteDecoder(self._backend.backend, self.config.decode_timeout,
+                                 self.config.max_worker_restarts, self.config.skip_errors,
+                                 self._worker_restarted, on_timeout=self._decode_timed_out)
         if not self.num_workers or self._nothing_to_decode():
             return InlineDecoder(self._spec)
         base_seed = int(
@@ -891,12 +900,15 @@ def _open_into(loader: Loader, opened: list[ServiceClient]) -> None:
     opened.append(loader._open_service_pass())
 
 
-def _shut_down(holder: _PoolHolder, blocks: BlockPool | None, service: _ServiceHolder) -> None:
+def _shut_down(holder: _PoolHolder, blocks: BlockPool | None, service: _ServiceHolder,
+               backend: BackendHolder | None) -> None:
     """Processes first: none may create a block after the blocks are removed. In a forked
     child (its `sys.exit` runs this finalizer too) the processes and blocks are the parent's:
     only the child's copies are let go of."""
     service.close()
     holder.close()
+    if backend is not None:
+        backend.close()
     if blocks is not None:
         blocks.close()
 

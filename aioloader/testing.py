@@ -6,8 +6,11 @@ with injectable latency and faults; and nginx, for plain static files.
 (POST /_control, JSON, with the server's control token in the X-Control-Token header) and its
 counters read (GET /_stats). Files carry an ETag and Last-Modified and If-Range is honoured,
 so a test may replace a file between a client's requests. Paths under /_hostile/ misbehave on
-purpose, for tests of a client's defences (see `_FaultyFileServer.hostile`). `Nginx` starts
-nginx the same way.
+purpose, for tests of a client's defences (see `_FaultyFileServer.hostile`).
+
+`FaultyProxy` puts the same faults in front of any HTTP server on loopback (an object-store
+emulator, a TestServer, nginx): it forwards every request and answers in its own process, with
+the same control and counters. `Nginx` starts nginx the same way.
 """
 
 from __future__ import annotations
@@ -31,19 +34,32 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 import zlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
 
 from ._closing import Closing
 
-__all__ = ["CONTROL_HEADER", "CONTROL_TOKEN_VARIABLE", "Faults", "Nginx", "TestServer", "serve"]
+__all__ = [
+    "CONTROL_HEADER",
+    "CONTROL_TOKEN_VARIABLE",
+    "Faults",
+    "FaultyProxy",
+    "Nginx",
+    "TestServer",
+    "serve",
+    "serve_proxy",
+]
 
 CONTROL_HEADER = "X-Control-Token"
 """POST /_control must carry the server's control token in this header."""
@@ -114,21 +130,28 @@ _RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 _RATE = (lambda v: _is_number(v) and v <= 1, "a number from 0 to 1")
 
 
-class _FaultyFileServer:
-    def __init__(self, root: Path, faults: Faults, control_token: str) -> None:
-        self.root = root.resolve()
-        self.faults = faults
+class _Faulty:
+    """What the file server and the proxy share: the faults, the roll that picks one for each
+    request, the misbehaviours, the counters, /_control and /_stats. A subclass says how to
+    answer honestly (`answer`) and routes its requests to `handle`."""
+
+    def __init__(self, faults: Faults, control_token: str) -> None:
+        self.faults = self.check(faults)
         self.random = random.Random(faults.seed)
         self.counts: Counter[str] = Counter()
         self.in_flight = 0
         self.control_token = control_token.encode()
 
+    @staticmethod
+    def check(faults: Faults) -> Faults:
+        """`faults`, or a ValueError naming settings this server cannot apply (refused, not
+        silently ignored); the file server applies them all."""
+        return faults
+
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/_control", self.control)
         app.router.add_get("/_stats", self.stats)
-        app.router.add_get("/_hostile/{name}", self.hostile)
-        app.router.add_get("/{path:.*}", self.serve_file)
         return app
 
     async def control(self, request: web.Request) -> web.Response:
@@ -147,7 +170,7 @@ class _FaultyFileServer:
             unknown = set(changes) - {f.name for f in dataclasses.fields(Faults)}
             if unknown:
                 raise ValueError(f"unknown fault settings: {', '.join(sorted(unknown))}")
-            self.faults = dataclasses.replace(self.faults, **changes)
+            self.faults = self.check(dataclasses.replace(self.faults, **changes))
         except ValueError as e:  # a JSONDecodeError or UnicodeDecodeError too
             return web.Response(status=400, text=f"{e}\n")
         if "seed" in changes:
@@ -157,16 +180,16 @@ class _FaultyFileServer:
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response(dict(self.counts))
 
-    async def serve_file(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         self.counts["requests"] += 1
         self.in_flight += 1
         self.counts["max_in_flight"] = max(self.counts["max_in_flight"], self.in_flight)
         try:
-            return await self._serve_file(request)
+            return await self._handle(request)
         finally:
             self.in_flight -= 1
 
-    async def _serve_file(self, request: web.Request) -> web.StreamResponse:
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         faults = self.faults
         if faults.latency_ms:
             await asyncio.sleep(faults.latency_ms / 1000)
@@ -181,7 +204,7 @@ class _FaultyFileServer:
                 self.counts[name] += 1
                 return await self._misbehave(name, request)
             roll -= rate
-        return self._answer(request)
+        return await self.answer(request, cut=False)
 
     async def _misbehave(self, fault: str, request: web.Request) -> web.StreamResponse:
         if fault == "errors":
@@ -192,18 +215,59 @@ class _FaultyFileServer:
             return web.Response(status=429, text="slow down", headers={"Retry-After": "0"})
         if fault == "stalls":
             await asyncio.sleep(self.faults.stall_seconds)
-            return self._answer(request)
+            return await self.answer(request, cut=False)
+        return await self.answer(request, cut=True)
+
+    async def answer(self, request: web.Request, cut: bool) -> web.StreamResponse:
+        """The honest answer; with `cut`, sent through `_send` to be cut mid-body."""
+        raise NotImplementedError
+
+
+async def _send(
+    request: web.Request, response: web.StreamResponse, chunks: AsyncIterable[bytes], cut: bool
+) -> web.StreamResponse:
+    """Send `response` with its body from `chunks` as they come. With `cut`, a 2xx that
+    announces its length stops after half of its body and the connection closes: what a reset
+    mid-body looks like to a client. Other answers go whole (an unknown length has no half)."""
+    length = response.content_length
+    left = length // 2 if cut and length and response.status < 300 else None
+    await response.prepare(request)
+    async for chunk in chunks:
+        if left is not None and len(chunk) >= left:
+            await response.write(chunk[:left])
+            if request.transport is not None:
+                request.transport.close()
+            return response
+        await response.write(chunk)
+        if left is not None:
+            left -= len(chunk)
+    await response.write_eof()
+    return response
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+class _FaultyFileServer(_Faulty):
+    def __init__(self, root: Path, faults: Faults, control_token: str) -> None:
+        super().__init__(faults, control_token)
+        self.root = root.resolve()
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/_hostile/{name}", self.hostile)
+        app.router.add_get("/{path:.*}", self.handle)
+        return app
+
+    async def answer(self, request: web.Request, cut: bool) -> web.StreamResponse:
         answer = self._answer(request)
-        if answer.status >= 300 or answer.body is None:
+        if not cut or answer.body is None:
             return answer
         body = bytes(answer.body)  # type: ignore[arg-type]
-        cut = web.StreamResponse(status=answer.status, headers=answer.headers)
-        cut.content_length = len(body)
-        await cut.prepare(request)
-        await cut.write(body[: len(body) // 2])
-        if request.transport is not None:
-            request.transport.close()
-        return cut
+        response = web.StreamResponse(status=answer.status, headers=answer.headers)
+        response.content_length = len(body)
+        return await _send(request, response, _once(body), cut=True)
 
     def _answer(self, request: web.Request) -> web.Response:
         path = (self.root / request.match_info["path"]).resolve()
@@ -290,6 +354,87 @@ def _gzip_bomb() -> bytes:
     return b"".join(packer.compress(zeros) for _ in range(_BOMB_SIZE >> 20)) + packer.flush()
 
 
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+    "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "expect",  # Expect: 100-continue is for the proxy's own server, which answers it
+})
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_FILE_FAULTS = ("ignore_ranges", "shift_ranges", "content_encoding", "no_etag")
+"""Faults of the files a TestServer serves, which a proxy, passing answers on, cannot apply."""
+
+
+def _end_to_end(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """The headers a proxy passes on, repeated ones too: all but the hop-by-hop ones and those
+    the Connection header names."""
+    named = {token.strip().lower() for value in headers.getall("Connection", ())
+             for token in value.split(",")}
+    return CIMultiDict((name, value) for name, value in headers.items()
+                       if name.lower() not in _HOP_BY_HOP and name.lower() not in named)
+
+
+def _loopback(upstream: str) -> str:
+    """`upstream` without its trailing /, if it is http:// on this machine's loopback: a test
+    proxy never reaches out."""
+    parts = urllib.parse.urlsplit(upstream)
+    if parts.scheme != "http" or parts.hostname not in _LOOPBACK or parts.query or parts.fragment:
+        raise ValueError(
+            f"a fault proxy forwards only to http:// on loopback ({', '.join(_LOOPBACK)}), "
+            f"without a query: {upstream!r} is not"
+        )
+    return upstream.rstrip("/")
+
+
+class _FaultyProxy(_Faulty):
+    """Forwards every request but /_control and /_stats to the upstream and the faults to the
+    answers. The Host header goes on as the client sent it, naming the proxy: a client signs
+    (AWS SigV4) the host it talks to, and addresses the upstream builds from Host (a
+    Location, an upload URL) lead back through the proxy. Bodies stream both ways."""
+
+    def __init__(
+        self, upstream: str, client: aiohttp.ClientSession, faults: Faults, control_token: str
+    ) -> None:
+        super().__init__(faults, control_token)
+        self.upstream = _loopback(upstream)
+        self.client = client
+
+    @staticmethod
+    def check(faults: Faults) -> Faults:
+        refused = [field.name for field in dataclasses.fields(Faults)
+                   if field.name in _FILE_FAULTS and getattr(faults, field.name) != field.default]
+        if refused:
+            raise ValueError(f"a proxy passes answers on as they come: it cannot apply "
+                             f"{', '.join(refused)} (faults of a TestServer's files)")
+        return faults
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_route("*", "/{path:.*}", self.handle)
+        return app
+
+    async def answer(self, request: web.Request, cut: bool) -> web.StreamResponse:
+        response: web.StreamResponse | None = None
+        try:
+            async with self.client.request(
+                request.method, URL(self.upstream + request.raw_path, encoded=True),
+                headers=_end_to_end(request.headers),
+                data=request.content if request.body_exists else None, allow_redirects=False,
+            ) as upstream:
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                              headers=_end_to_end(upstream.headers))
+                return await _send(request, response, upstream.content.iter_any(), cut)
+        except (ConnectionError, aiohttp.ClientError) as e:
+            if response is not None and response.prepared:
+                # either side broke off mid-body: the client must not wait for the rest
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            self.counts["upstream_failures"] += 1
+            return web.Response(
+                status=502, text=f"proxy to {self.upstream}: {type(e).__name__}: {e}\n"
+            )
+
+
 async def serve(
     root: Path, host: str, port: int, faults: Faults, control_token: str | None = None
 ) -> None:
@@ -298,10 +443,35 @@ async def serve(
     POST /_control needs `control_token` (default: the CONTROL_TOKEN_VARIABLE environment
     variable; without it a random one, printed on a second line) in the CONTROL_HEADER header.
     """
-    token = control_token or os.environ.get(CONTROL_TOKEN_VARIABLE) or ""
-    made = not token
-    token = token or secrets.token_urlsafe(24)
-    server = _FaultyFileServer(root, faults, token)
+    token, made = _control_token(control_token)
+    await _listen(_FaultyFileServer(root, faults, token), host, port, token if made else None)
+
+
+async def serve_proxy(
+    upstream: str, host: str, port: int, faults: Faults, control_token: str | None = None
+) -> None:
+    """Forward to `upstream` (http:// on loopback) until cancelled, with faults; prints and
+    takes its token as `serve` does."""
+    token, made = _control_token(control_token)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=_START_TIMEOUT)
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout, auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("Accept", "Accept-Encoding", "Content-Type", "User-Agent"),
+    ) as client:  # adds no header of its own: Azure's Shared Key signs Content-Type
+        server = _FaultyProxy(upstream, client, faults, token)
+        await _listen(server, host, port, token if made else None)
+
+
+def _control_token(given: str | None) -> tuple[str, bool]:
+    """The control token (given, else from the environment, else a new one) and whether it is
+    new, so that it must be printed."""
+    token = given or os.environ.get(CONTROL_TOKEN_VARIABLE) or ""
+    return token or secrets.token_urlsafe(24), not token
+
+
+async def _listen(server: _Faulty, host: str, port: int, new_token: str | None) -> None:
+    """Serve until cancelled; print the ready line, and `new_token` if there is one."""
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     try:
@@ -309,28 +479,19 @@ async def serve(
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
         print(f"{_READY_PREFIX}http://{bound_host}:{bound_port}/", flush=True)
-        if made:
-            print(f"control token (send as {CONTROL_HEADER} to POST /_control): {token}",
+        if new_token:
+            print(f"control token (send as {CONTROL_HEADER} to POST /_control): {new_token}",
                   flush=True)
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()
 
 
-class TestServer(Closing):
-    """The fault-injecting server in a child process on 127.0.0.1; a context manager."""
+class _ServerProcess(Closing):
+    """One of this module's servers in a child process on 127.0.0.1, with a control token of
+    its own; a context manager."""
 
-    __test__ = False  # not a pytest test class
-
-    def __init__(self, root: str | os.PathLike[str], port: int = 0, **faults: Any) -> None:
-        """`port` 0 picks a free one; give the old port to restart a server in place."""
-        options = Faults(**faults)
-        command = [sys.executable, "-m", "aioloader", "serve", str(root), "--port", str(port)]
-        for field in dataclasses.fields(options):
-            value = getattr(options, field.name)
-            if value is not None and value is not False:
-                flag = f"--{field.name.replace('_', '-')}"
-                command += [flag] if value is True else [flag, str(value)]
+    def __init__(self, command: list[str]) -> None:
         self.control_token = secrets.token_urlsafe(24)
         environment = {**os.environ, CONTROL_TOKEN_VARIABLE: self.control_token}
         self._process = subprocess.Popen(
@@ -343,7 +504,7 @@ class TestServer(Closing):
         line = _readline_with_timeout(self._process, _START_TIMEOUT)
         if not line.startswith(_READY_PREFIX):
             self.close()
-            raise RuntimeError(f"test server did not start: {line!r}")
+            raise RuntimeError(f"{type(self).__name__} did not start: {line!r}")
         return line[len(_READY_PREFIX) :].strip()
 
     @property
@@ -368,8 +529,8 @@ class TestServer(Closing):
         return result
 
     def stats(self) -> dict[str, int]:
-        """Counters: requests, max_in_flight, errors, throttles, drops, stalls, ranges,
-        not_found, and hostile_NAME per request to /_hostile/NAME."""
+        """Counters: requests, max_in_flight, errors, throttles, drops, stalls, and the
+        server's own (see its class)."""
         with urllib.request.urlopen(self.url + "_stats", timeout=10) as response:
             result: dict[str, int] = json.load(response)
         return result
@@ -384,6 +545,47 @@ class TestServer(Closing):
                 self._process.wait(5)
         if self._process.stdout is not None:
             self._process.stdout.close()
+
+
+class TestServer(_ServerProcess):
+    """The fault-injecting file server in a child process on 127.0.0.1; a context manager.
+    Its own counters: ranges, not_found, and hostile_NAME per request to /_hostile/NAME."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(self, root: str | os.PathLike[str], port: int = 0, **faults: Any) -> None:
+        """`port` 0 picks a free one; give the old port to restart a server in place."""
+        options = Faults(**faults)
+        command = [sys.executable, "-m", "aioloader", "serve", str(root), "--port", str(port)]
+        for field in dataclasses.fields(options):
+            value = getattr(options, field.name)
+            if value is not None and value is not False:
+                flag = f"--{field.name.replace('_', '-')}"
+                command += [flag] if value is True else [flag, str(value)]
+        super().__init__(command)
+
+
+class FaultyProxy(_ServerProcess):
+    """A reverse proxy in a child process on 127.0.0.1 that forwards every request (any
+    method, path, query, body; headers but the hop-by-hop ones) to `upstream`, an http:// base
+    URL on loopback (else a ValueError), and puts `Faults` on the answers: latency, 503s that
+    never reach the upstream, 429s, stalls, and drops that cut a 2xx after half of its body.
+    The Host header goes on unchanged (it names the proxy, the host a client signs); bodies
+    and ranges pass as they come. /_control and /_stats are the proxy's own. A context
+    manager. Its own counter: upstream_failures (502s: the upstream did not answer)."""
+
+    def __init__(self, upstream: str, port: int = 0, **faults: Any) -> None:
+        """`port` 0 picks a free one. The faults of a TestServer's files (ignore_ranges,
+        shift_ranges, content_encoding, no_etag) are refused with a ValueError."""
+        self.upstream = _loopback(upstream)
+        options = json.dumps(dataclasses.asdict(_FaultyProxy.check(Faults(**faults))))
+        super().__init__([sys.executable, "-m", __name__, self.upstream, str(port), options])
+
+
+def _proxy_main(upstream: str, port: str, faults: str) -> None:
+    """The process a FaultyProxy starts: `python -m aioloader.testing UPSTREAM PORT FAULTS`,
+    the faults as a JSON object."""
+    asyncio.run(serve_proxy(upstream, "127.0.0.1", int(port), Faults(**json.loads(faults))))
 
 
 def _readline_with_timeout(process: subprocess.Popen[str], timeout: float) -> str:
@@ -468,3 +670,7 @@ def _free_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
+
+
+if __name__ == "__main__":
+    _proxy_main(*sys.argv[1:])

@@ -139,3 +139,20 @@ def wave_was_loaded(raw: bytes) -> bool:
 def two_megabytes(raw: bytes) -> np.ndarray:
     """A 2 MiB float32 image filled with the sample's index (the raw file holds it)."""
     return np.full((512, 1024), index_of(raw), np.float32)
+
+
+def stuck_on_five_a_while(raw: bytes) -> int:
+    """Sample 5 takes 6 s: past a short decode_timeout, on a worker that cannot be
+    interrupted (a Dask thread), yet free again soon after."""
+    index = index_of(raw)
+    if index == 5:
+        time.sleep(6)
+    return index
+
+
+def two_megabytes_marked(item: tuple[bytes, str]) -> np.ndarray:
+    """`two_megabytes`, leaving a file named by the sample's index in the folder given with
+    it: which samples were decoded, whatever process or machine-local worker did it."""
+    raw, folder = item
+    (Path(folder) / str(index_of(raw))).touch()
+    return two_megabytes(raw)

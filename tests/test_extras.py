@@ -68,6 +68,13 @@ def test_missing_obstore_names_the_extra_of_the_store(prefix: str, extra: str) -
     assert_one_cli_line(cli_without("obstore", "inspect", prefix + "train.rec"), extra)
 
 
+def test_missing_ray_names_the_ray_extra(tmp_path: Path) -> None:
+    (tmp_path / "0.bin").write_bytes(b"x")
+    code = (f"import aioloader\naioloader.Loader(aioloader.Files([{str(tmp_path / '0.bin')!r}]),"
+            " executor='ray', decode=len)")
+    assert_names_extra(run_without("ray", code), "ray")
+
+
 def test_missing_torch_names_the_torch_extra() -> None:
     assert_names_extra(run_without("torch", "import aioloader.torch"), "torch")
 
@@ -94,6 +101,6 @@ def test_the_extras_named_exist_and_all_holds_every_one() -> None:
     tomllib = pytest.importorskip("tomllib")
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     extras = tomllib.loads(text)["project"]["optional-dependencies"]
-    optional = ["azure", "gcs", "image", "parquet", "plot", "s3", "torch"]
+    optional = ["azure", "dask", "gcs", "image", "parquet", "plot", "ray", "s3", "torch"]
     assert set(optional) <= extras.keys()
     assert extras["all"] == [f"aioloader[{','.join(optional)}]"]

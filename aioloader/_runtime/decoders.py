@@ -1,26 +1,22 @@
-"""Where a pass's chunks are decoded: inline (num_workers=0), on an executor the caller owns, or
-in the decode pool, with deadlines and recovery from processes that die."""
+"""Where a pass's chunks are decoded: inline (num_workers=0), or in the decode pool, with
+deadlines and recovery from processes that die (an executor or a cluster: `remote`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import heapq
 import itertools
-import pickle
 import signal
 import threading
 from collections import deque
 from collections.abc import Callable, Container
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._errors import DecodeTimeoutError, LoaderError, RemoteTraceback, WorkerDiedError
 from .._stats import now
 from .blocking import off_loop
-from .channel import dumps
 from .decode import DecodeSpec, respond, run_chunk
 from .messages import Chunk, ChunkResult, Done, InitFailed, Ready, Task
 from .pool import LOST, DecodePool, DecodeProcess
@@ -77,30 +73,6 @@ class InlineDecoder(_HoldsNothing):
     async def decode(self, chunk: Chunk) -> ChunkResult:
         return respond(self._spec, chunk) if chunk.slot is not None else run_chunk(
             self._spec, chunk)
-
-
-@functools.lru_cache(maxsize=4)
-def _spec_from(data: bytes) -> DecodeSpec:
-    spec: DecodeSpec = pickle.loads(data)
-    return spec
-
-
-def run_pickled_chunk(spec: bytes, chunk: Chunk) -> ChunkResult:
-    """For executors that pickle with plain pickle: the spec travels as cloudpickle bytes."""
-    return run_chunk(_spec_from(spec), chunk)
-
-
-class ExecutorDecoder(_HoldsNothing):
-    """Decoding on an executor the caller owns (a Dask cluster's, say); it stays open."""
-
-    def __init__(self, spec: DecodeSpec, executor: Executor) -> None:
-        self._spec = dumps(spec)
-        self._executor = executor
-
-    async def decode(self, chunk: Chunk) -> ChunkResult:
-        return await asyncio.wrap_future(
-            self._executor.submit(run_pickled_chunk, self._spec, chunk)
-        )
 
 
 @dataclass(eq=False)

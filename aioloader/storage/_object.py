@@ -240,9 +240,12 @@ class ObjectStore:
         """Nothing to close: obstore's connections go with its stores."""
 
 
-def _allow_http(endpoint: str | None, client_options: Any) -> Any:
-    """The options with plain HTTP allowed when the endpoint is http:// (an emulator, MinIO)."""
-    if endpoint and endpoint.startswith("http://"):
+def _allow_http(client_options: Any, *endpoints: str) -> Any:
+    """The options with plain HTTP allowed when an endpoint variable names an http:// URL (an
+    emulator, MinIO) or the cloud's ALLOW_HTTP variable is set: options given to obstore
+    replace what it would read from the environment."""
+    if any(os.environ.get(name, "").lower().startswith("http://") for name in endpoints[:-1]) \
+            or os.environ.get(endpoints[-1], "").lower() in ("1", "true"):
         return {**client_options, "allow_http": True}
     return client_options
 
@@ -254,9 +257,9 @@ class S3Store(ObjectStore):
     def make(cls, bucket: str, client_options: Any) -> Any:
         from obstore.store import S3Store as Store
 
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        return Store(bucket, client_options=_allow_http(endpoint, client_options),
-                     retry_config={"max_retries": 0})
+        options = _allow_http(client_options, "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL",
+                              "AWS_ALLOW_HTTP")
+        return Store(bucket, client_options=options, retry_config={"max_retries": 0})
 
 
 class GCSStore(ObjectStore):
@@ -266,7 +269,8 @@ class GCSStore(ObjectStore):
     def make(cls, bucket: str, client_options: Any) -> Any:
         from obstore.store import GCSStore as Store
 
-        return Store(bucket, client_options=client_options, retry_config={"max_retries": 0})
+        options = _allow_http(client_options, "GOOGLE_BASE_URL", "GOOGLE_ALLOW_HTTP")
+        return Store(bucket, client_options=options, retry_config={"max_retries": 0})
 
 
 class AzureStore(ObjectStore):
@@ -280,10 +284,10 @@ class AzureStore(ObjectStore):
 
         container, _, host = bucket.partition("@")
         account: Any = {"account_name": host.partition(".")[0]} if host else None
-        emulator = os.environ.get("AZURE_STORAGE_USE_EMULATOR", "").lower() in ("1", "true")
-        endpoint = "http://" if emulator else os.environ.get("AZURE_STORAGE_ENDPOINT")
-        return Store(container, client_options=_allow_http(endpoint, client_options),
-                     retry_config={"max_retries": 0}, config=account)
+        options = _allow_http(client_options, "AZURE_STORAGE_ENDPOINT", "AZURITE_BLOB_STORAGE_URL",
+                              "AZURE_ALLOW_HTTP")
+        return Store(container, client_options=options, retry_config={"max_retries": 0},
+                     config=account)
 
 
 def _version(meta: Any) -> Version:

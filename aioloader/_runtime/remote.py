@@ -1,0 +1,288 @@
+"""Decoding on an executor or a cluster (`executor=`): one decoder for every backend, with the
+built-in pool's guarantees. A chunk running past `decode_timeout` is cancelled and fails (or is
+skipped) as in the pool; the stall watchdog is told which task runs longest, and where; a chunk
+whose worker died is sent again, up to `max_worker_restarts` per pass, and one that killed two
+workers is not sent a third time.
+
+A backend only ships the decode spec to its workers once, runs a chunk somewhere, says where,
+and recognises a lost worker; `BACKENDS` finds the backend for what `executor=` was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import itertools
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import DecodeTimeoutError, WorkerDiedError
+from .._stats import now
+from . import transport
+from .channel import dumps
+from .decode import DecodeSpec, run_chunk
+from .decoders import short_list
+from .messages import Chunk, ChunkResult
+from .tasks import TaskSet
+
+
+def pack_spec(spec: DecodeSpec) -> bytes:
+    """The spec as it travels to workers: with the trainer's import path, so a worker finds
+    the modules it names (a decode function in the training script's folder)."""
+    return pickle.dumps((list(sys.path), dumps(spec)))
+
+
+@functools.lru_cache(maxsize=4)
+def unpack_spec(data: bytes) -> DecodeSpec:
+    """The spec on a worker: the trainer's import path entries it lacks are added (after its
+    own) first. Kept per bytes: unpickled once per worker and spec."""
+    paths, pickled = pickle.loads(data)
+    sys.path.extend(path for path in paths if path not in sys.path)
+    spec: DecodeSpec = pickle.loads(pickled)
+    return spec
+
+
+def run_pickled_chunk(spec: bytes, chunk: Chunk) -> ChunkResult:
+    """A chunk decoded on a worker, the spec sent with it (`pack_spec`)."""
+    return run_chunk(unpack_spec(spec), chunk)
+
+
+@dataclass(eq=False)
+class RemoteTask:
+    """A chunk sent to a backend."""
+
+    id: int
+    chunk: Chunk
+    started: float
+    where: str = ""
+    """The worker running it, once the backend knows."""
+    handle: Any = None
+    """The backend's own record of it (a future, an actor)."""
+
+
+class Backend(Protocol):
+    """Where chunks are decoded when `executor=` is given; kept by the Loader from pass to pass
+    (the spec is shipped once), closed with it."""
+
+    async def start(self) -> None:
+        """Ship the decode spec to the workers, start what the backend starts (once)."""
+        ...
+
+    def slots(self) -> int:
+        """Chunks that run at once (worker threads, actors): no more are sent, so that none
+        waits in a worker's queue, where its deadline would run out unstarted."""
+        ...
+
+    async def run(self, task: RemoteTask) -> ChunkResult:
+        """Decode a chunk on a worker. Cancelled (a pass dropped): let go of its result."""
+        ...
+
+    async def stop(self, task: RemoteTask) -> None:
+        """The task ran past its deadline: free its worker (kill or restart it, or wait for
+        the task to end where that is impossible); return once the worker is free."""
+        ...
+
+    def lost(self, error: BaseException) -> str | None:
+        """How the worker running a task died, when `error` says it did; else None."""
+        ...
+
+    def locate(self, tasks: list[RemoteTask]) -> None:
+        """Fill in where tasks run, for the stall watchdog (may ask the cluster)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of the cluster: what the backend started is stopped, a cluster it was given
+        is left as it was found."""
+        ...
+
+
+def _is_dask_client(executor: object) -> bool:
+    kind = type(executor)
+    return kind.__module__.partition(".")[0] == "distributed" and kind.__name__ == "Client"
+
+
+BACKENDS: list[tuple[Callable[[object], bool], str]] = [
+    (lambda executor: executor == "ray", ".on_ray:RayBackend"),
+    (_is_dask_client, ".on_dask:DaskBackend"),
+    (lambda executor: isinstance(executor, Executor), ".on_executor:ExecutorBackend"),
+]
+"""What `executor=` may be, and the backend for it (`module:Class`, imported on use)."""
+
+
+def backend_for(executor: object, spec: DecodeSpec, workers: int) -> Backend:
+    """The backend for `executor`, with `workers` processes where it starts them (Ray); a
+    ValueError naming what `executor=` takes, for anything else."""
+    where = next((where for accepts, where in BACKENDS if accepts(executor)), None)
+    if where is None:
+        raise ValueError(
+            f'executor= takes a concurrent.futures.Executor, a Dask distributed.Client or "ray"; '
+            f"got {executor!r}"
+        )
+    module, _, name = where.partition(":")
+    kind = getattr(importlib.import_module(module, __package__), name)
+    backend: Backend = kind(executor, spec, workers)
+    return backend
+
+
+class BackendHolder:
+    """A Loader's backend, made with the Loader (a missing extra shows at once) and kept until
+    it closes: the spec is shipped once, on the first pass. Apart from the Loader so a
+    finalizer can close it."""
+
+    def __init__(self, executor: object, spec: DecodeSpec, workers: int) -> None:
+        self.backend = backend_for(executor, spec, workers)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            closed, self._closed = self._closed, True
+        if not closed:
+            self.backend.close()
+
+
+class RemoteDecoder:
+    """A pass's use of a backend: the pool's guarantees, whatever runs the chunks. At most
+    `slots` chunks are out at once; a slot whose chunk ran past its deadline is taken again
+    only once the backend freed its worker."""
+
+    shared = False
+
+    def __init__(
+        self,
+        backend: Backend,
+        decode_timeout: float | None,
+        max_restarts: int,
+        skip_errors: bool,
+        on_restart: Callable[[str], None],
+        on_timeout: Callable[[], None] | None = None,
+    ) -> None:
+        self._backend = backend
+        self._timeout = decode_timeout
+        self._max_restarts = max_restarts
+        self._skip_errors = skip_errors
+        self._on_restart = on_restart
+        self._on_timeout = on_timeout
+        self._ids = itertools.count()
+        self._running: dict[int, RemoteTask] = {}
+        self._slots: asyncio.Semaphore | None = None
+        self._stopping = TaskSet()
+        self.restarts = 0
+        self._failure: BaseException | None = None
+
+    async def decode(self, chunk: Chunk) -> ChunkResult:
+        await self._backend.start()
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._backend.slots())
+        deaths = 0
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            await self._slots.acquire()
+            task = RemoteTask(next(self._ids), chunk, now())
+            self._running[task.id] = task
+            freed = True
+            try:
+                result = await self._run(task)
+                result.needed = transport.shared_bytes(result.items)  # counted while held
+                return result
+            except asyncio.TimeoutError:
+                freed = False
+                self._stopping.start(self._free(task))
+                return self._timed_out(task)
+            except Exception as e:
+                cause = self._backend.lost(e)
+                if cause is None:
+                    raise
+                deaths += 1
+                if self._restart(task, cause, deaths):
+                    return self._give_up(chunk, WorkerDiedError(
+                        f"samples {short_list(chunk.indices)} killed a worker twice ({cause}); "
+                        "they are not sent again"), f"killed a worker twice ({cause})")
+            finally:
+                self._running.pop(task.id, None)
+                if freed:
+                    self._slots.release()
+
+    async def _run(self, task: RemoteTask) -> ChunkResult:
+        """The task's result; TimeoutError past the deadline, the task cancelled here after
+        the backend was asked where it runs (to stop it there)."""
+        running = asyncio.ensure_future(self._backend.run(task))
+        try:
+            done, _ = await asyncio.wait({running}, timeout=self._timeout)
+        except asyncio.CancelledError:
+            running.cancel()
+            raise
+        if running in done:
+            return running.result()
+        self._backend.locate([task])
+        running.cancel()
+        raise asyncio.TimeoutError
+
+    async def _free(self, task: RemoteTask) -> None:
+        assert self._slots is not None
+        try:
+            await self._backend.stop(task)
+        finally:
+            self._slots.release()
+
+    def _restart(self, task: RemoteTask, cause: str, deaths: int) -> bool:
+        """Count a worker lost under `task`; True when the chunk is not to be sent again
+        (it killed two). Past the pass's budget the pass fails."""
+        self.restarts += 1
+        where = f" on {task.where}" if task.where else ""
+        if self.restarts > self._max_restarts:
+            self._failure = WorkerDiedError(
+                f"a worker{where} ended abruptly ({cause}) while decoding samples "
+                f"{short_list(task.chunk.indices)}, after {self._max_restarts} restarts in this "
+                "pass (max_worker_restarts); the OOM killer or a crash in native code are the "
+                "usual causes"
+            )
+            raise self._failure
+        if deaths < 2:
+            self._on_restart(f"a worker{where} ended abruptly ({cause}); its chunk was sent "
+                             "again")
+        return deaths >= 2
+
+    def _timed_out(self, task: RemoteTask) -> ChunkResult:
+        assert self._timeout is not None
+        if self._on_timeout is not None:
+            self._on_timeout()
+        where = task.where or "the executor"
+        return self._give_up(task.chunk, DecodeTimeoutError(
+            f"decoding samples {short_list(task.chunk.indices)} took longer than "
+            f"decode_timeout={self._timeout:g} s on {where}; the task was cancelled"
+        ), f"decode took longer than decode_timeout={self._timeout:g} s")
+
+    def _give_up(self, chunk: Chunk, error: Exception, reason: str) -> ChunkResult:
+        """A chunk that will not be decoded: all its samples skipped, or its error."""
+        if not self._skip_errors:
+            raise error
+        return ChunkResult([], [(n, reason) for n in range(len(chunk.indices))])
+
+    def in_flight(self) -> list[tuple[float, str]]:
+        tasks = list(self._running.values())
+        if not tasks:
+            return []
+        self._backend.locate(tasks)
+        moment = now()
+        return [(moment - task.started,
+                 f"samples {short_list(task.chunk.indices)} on {task.where or 'the executor'}")
+                for task in tasks]
+
+    def abandon(self) -> None:
+        """The chunks are cancelled with the pass's tasks that await them; the workers being
+        freed are left to it."""
+        self._stopping.cancel_all()
+
+    async def aclose(self) -> None:
+        """The backend is the Loader's, kept for the next pass: only the workers still being
+        freed are let go of (a worker an executor cannot stop frees itself)."""
+        tasks = self._stopping.cancel_all()
+        await asyncio.gather(*tasks, return_exceptions=True)

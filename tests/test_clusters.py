@@ -1,0 +1,242 @@
+"""Decoding on a cluster (`executor=`): a Dask client or Ray keeps every guarantee of the
+built-in pool, tested on a real local cluster of each (processes on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+import aioloader
+
+from decoders import (
+    SAMPLE_COUNT,
+    die_on_five,
+    fail_on_seven,
+    index_and_noise,
+    index_of,
+    slow_index,
+    stuck_on_five_a_while,
+    two_megabytes_marked,
+)
+
+
+@pytest.fixture(scope="module")
+def dask_client() -> Iterator[Any]:
+    """Two worker processes of one thread each; a worker lost is always Dask's to report
+    (allowed-failures 0), so that max_worker_restarts counts every death."""
+    distributed = pytest.importorskip("distributed")
+    dask = pytest.importorskip("dask")
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}), \
+            distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                     dashboard_address=None, host="127.0.0.1") as cluster, \
+            distributed.Client(cluster) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def ray_client() -> Iterator[str]:
+    """A local Ray cluster of 2 CPUs started by this process (on loopback: Ray's switch for
+    single-machine clusters), so `executor="ray"` finds it running, and leaves it so."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray is imported
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             object_store_memory=300_000_000,
+             configure_logging=False)
+    try:
+        yield "ray"
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(params=["dask", "ray"])
+def cluster(request: pytest.FixtureRequest) -> Any:
+    """What `executor=` is given for each backend."""
+    return request.getfixturevalue(f"{request.param}_client")
+
+
+def worker_pids(executor: Any) -> list[int]:
+    """The pids of the cluster's decode workers (Ray: the actors of the loader running now)."""
+    if executor == "ray":  # titled ray::DecodeActor, or ray::DecodeActor.decode() while busy
+        return sorted(int(p.pid) for p in psutil.process_iter(["cmdline"])
+                      if " ".join(p.info["cmdline"] or []).startswith("ray::DecodeActor"))
+    return sorted(executor.run(os.getpid).values())
+
+
+def busy_worker(executor: Any) -> int:
+    """The pid of a worker decoding a chunk now (Dask may queue both on one worker), looked
+    for up to 10 s (between two chunks none may be)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if executor == "ray":
+            busy = [int(p.pid) for p in psutil.process_iter(["cmdline"])
+                    if " ".join(p.info["cmdline"] or []).startswith("ray::DecodeActor.decode")]
+            if busy:
+                return busy[0]
+        else:
+            working = [worker for worker, keys in executor.processing().items() if keys]
+            if working:
+                pids: dict[str, int] = executor.run(os.getpid, workers=working[:1])
+                return next(iter(pids.values()))
+        time.sleep(0.01)
+    pytest.fail("no worker was busy for 10 s")
+
+
+def wait_until(condition: Any, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def run(local_paths: list[str], **options: Any) -> list[Any]:
+    options = {"decode": index_and_noise, "batch_size": 16, "shuffle": True, **options}
+    with aioloader.Loader(aioloader.Files(local_paths), **options) as loader:
+        return list(loader)
+
+
+def assert_same_batches(got: list[Any], reference: list[Any]) -> None:
+    assert len(got) == len(reference)
+    for mine, theirs in zip(got, reference, strict=True):
+        np.testing.assert_array_equal(mine["index"], theirs["index"])
+        np.testing.assert_array_equal(mine["noise"], theirs["noise"])
+
+
+def test_batches_equal_the_built_in_pool(cluster: Any, local_paths: list[str]) -> None:
+    assert_same_batches(run(local_paths, executor=cluster, num_workers=2),
+                        run(local_paths, num_workers=2))
+
+
+def test_decode_timeout_raises_as_the_pool_does_naming_where_it_ran(
+    cluster: Any, local_paths: list[str]
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=stuck_on_five_a_while,
+                              batch_size=4, decode_timeout=1, executor=cluster)
+    with pytest.raises(aioloader.DecodeTimeoutError) as caught, loader:
+        list(loader)
+    message = str(caught.value)
+    assert "samples [4, 5, 6, 7]" in message and "decode_timeout=1" in message
+
+
+def test_decode_timeout_with_skip_drops_only_the_stuck_batch(
+    cluster: Any, local_paths: list[str]
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=stuck_on_five_a_while,
+                              batch_size=4, decode_timeout=1, on_error="skip", executor=cluster)
+    with loader:
+        seen = [int(i) for batch in loader for i in batch]
+    assert seen == [i for i in range(SAMPLE_COUNT) if i not in (4, 5, 6, 7)]
+    assert loader.stats.skipped == 4 and loader.stats.decode_timeouts == 1
+
+
+def test_the_stall_watchdog_names_the_oldest_task_and_its_worker(
+    cluster: Any, local_paths: list[str]
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=stuck_on_five_a_while,
+                              batch_size=4, stall_timeout=2, executor=cluster)
+    with pytest.raises(aioloader.StallError) as caught, loader:
+        list(loader)
+    assert re.search(r"samples \[4, 5, 6, 7\] on (Dask worker tcp://127\.0\.0\.1:\d+|"
+                     r"Ray actor \d \(pid \d+ on 127\.0\.0\.1\))", str(caught.value))
+
+
+def test_on_error_skips_and_raises_as_the_pool_does(cluster: Any, local_paths: list[str]) -> None:
+    options = {"decode": fail_on_seven, "batch_size": 4, "on_error": "skip"}
+    assert [list(b) for b in run(local_paths, executor=cluster, **options)] == [
+        list(b) for b in run(local_paths, num_workers=2, **options)]
+    with pytest.raises(aioloader.LoaderError, match="sample seven is cursed"):
+        run(local_paths, executor=cluster, decode=fail_on_seven, batch_size=4)
+
+
+def test_a_killed_worker_costs_a_retry_of_its_chunk_not_the_pass(
+    cluster: Any, local_paths: list[str]
+) -> None:
+    reference = run(local_paths * 2, decode=slow_index, shuffle=False)
+    loader = aioloader.Loader(aioloader.Files(local_paths * 2), decode=slow_index, batch_size=16,
+                              executor=cluster, num_workers=2)
+    got = []
+    with loader, pytest.warns(RuntimeWarning, match="ended abruptly"):
+        for n, batch in enumerate(loader):
+            got.append(batch)
+            if n == 1:
+                os.kill(busy_worker(cluster), signal.SIGKILL)
+    assert [list(b) for b in got] == [list(b) for b in reference]
+
+
+def test_samples_that_kill_workers_twice_are_named_and_not_sent_again(
+    cluster: Any, local_paths: list[str]
+) -> None:
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=die_on_five, batch_size=4,
+                              executor=cluster, on_error="skip")
+    with loader, pytest.warns(RuntimeWarning, match="ended abruptly"):
+        seen = [int(i) for batch in loader for i in batch]
+    assert seen == [i for i in range(SAMPLE_COUNT) if i not in (4, 5, 6, 7)]
+
+
+def test_close_leaves_a_given_cluster_as_it_found_it(cluster: Any, local_paths: list[str]
+                                                     ) -> None:
+    if cluster == "ray":
+        import ray
+
+        run(local_paths, executor=cluster, decode=index_of)
+        assert ray.is_initialized()  # still connected: the cluster was given
+        assert wait_until(lambda: not worker_pids(cluster), 30)  # the actors are gone
+        return
+    workers = worker_pids(cluster)
+    run(local_paths, executor=cluster, decode=index_of)
+    assert worker_pids(cluster) == workers
+    assert not any(keys for keys in cluster.has_what().values())  # no result left
+
+
+def test_an_executor_of_another_kind_is_refused_naming_what_works(local_paths: list[str]) -> None:
+    with pytest.raises(ValueError, match=r"concurrent\.futures\.Executor, a Dask"):
+        aioloader.Loader(aioloader.Files(local_paths), executor="spark")
+
+
+def test_a_plain_executor_keeps_the_deadline(local_paths: list[str]) -> None:
+    with ThreadPoolExecutor(2) as executor:
+        loader = aioloader.Loader(aioloader.Files(local_paths), decode=stuck_on_five_a_while,
+                                  batch_size=4, decode_timeout=1, on_error="skip",
+                                  executor=executor)
+        with loader:
+            seen = [int(i) for batch in loader for i in batch]
+    assert seen == [i for i in range(SAMPLE_COUNT) if i not in (4, 5, 6, 7)]
+
+
+def decoded_while_the_consumer_stops(paths: list[str], folder: Path,
+                                     memory_limit: int | None, **options: Any) -> int:
+    """Samples decoded (2 MiB each) by the time the consumer, having taken two batches, has
+    stopped for 3 s."""
+    folder.mkdir()
+    files = aioloader.Files(paths, labels=[str(folder)] * len(paths))
+    loader = aioloader.Loader(files, decode=two_megabytes_marked, batch_size=4, prefetch=1,
+                              num_workers=2, memory_limit=memory_limit, **options)
+    with loader:
+        for n, _ in enumerate(loader):
+            if n == 1:
+                time.sleep(3)
+                return len(list(folder.iterdir()))
+    raise AssertionError("the pass ended early")
+
+
+def test_chunks_out_on_the_cluster_count_against_memory_limit_as_in_the_pool(
+    cluster: Any, local_paths: list[str], tmp_path: Path
+) -> None:
+    limit = 24 << 20  # three chunks of 8 MiB
+    pool = decoded_while_the_consumer_stops(local_paths, tmp_path / "pool", limit, service=None)
+    bounded = decoded_while_the_consumer_stops(local_paths, tmp_path / "a", limit,
+                                               executor=cluster)
+    unbounded = decoded_while_the_consumer_stops(local_paths, tmp_path / "b", None,
+                                                 executor=cluster)
+    assert bounded <= pool < unbounded
