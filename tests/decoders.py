@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -156,3 +157,16 @@ def two_megabytes_marked(item: tuple[bytes, str]) -> np.ndarray:
     raw, folder = item
     (Path(folder) / str(index_of(raw))).touch()
     return two_megabytes(raw)
+
+
+RELEASE = threading.Event()
+"""Set to let `blocked_on_five_and_nine` return (a thread of this process cannot be killed)."""
+
+
+def blocked_on_five_and_nine(raw: bytes) -> int:
+    """Samples 5 and 9 block until RELEASE is set (60 s at most): two chunks of 4 that no
+    executor can stop."""
+    index = index_of(raw)
+    if index in (5, 9):
+        RELEASE.wait(60)
+    return index

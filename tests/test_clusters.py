@@ -19,7 +19,9 @@ import pytest
 import aioloader
 
 from decoders import (
+    RELEASE,
     SAMPLE_COUNT,
+    blocked_on_five_and_nine,
     die_on_five,
     fail_on_seven,
     index_and_noise,
@@ -138,6 +140,7 @@ def test_decode_timeout_with_skip_drops_only_the_stuck_batch(
         seen = [int(i) for batch in loader for i in batch]
     assert seen == [i for i in range(SAMPLE_COUNT) if i not in (4, 5, 6, 7)]
     assert loader.stats.skipped == 4 and loader.stats.decode_timeouts == 1
+    assert loader.stats.worker_restarts == 0  # a worker freed is not one lost (nor reused early)
 
 
 def test_the_stall_watchdog_names_the_oldest_task_and_its_worker(
@@ -202,6 +205,22 @@ def test_close_leaves_a_given_cluster_as_it_found_it(cluster: Any, local_paths: 
 def test_an_executor_of_another_kind_is_refused_naming_what_works(local_paths: list[str]) -> None:
     with pytest.raises(ValueError, match=r"concurrent\.futures\.Executor, a Dask"):
         aioloader.Loader(aioloader.Files(local_paths), executor="spark")
+
+
+def test_tasks_no_executor_can_stop_end_in_a_stall_error_not_a_hang(
+    local_paths: list[str],
+) -> None:
+    """Both threads blocked past their deadline: the chunks left wait for a free worker, and
+    the watchdog names the two being freed."""
+    with ThreadPoolExecutor(2) as executor:
+        loader = aioloader.Loader(aioloader.Files(local_paths), decode=blocked_on_five_and_nine,
+                                  batch_size=4, decode_timeout=0.5, on_error="skip",
+                                  stall_timeout=2, executor=executor)
+        try:
+            with pytest.raises(aioloader.StallError, match="being freed"), loader:
+                list(loader)
+        finally:
+            RELEASE.set()
 
 
 def test_a_plain_executor_keeps_the_deadline(local_paths: list[str]) -> None:

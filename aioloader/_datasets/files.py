@@ -40,10 +40,10 @@ class Files(Dataset):
 
     @classmethod
     def from_prefix(cls, prefix: str, labels: Iterable[Any] | None = None) -> Files:
-        """Every object whose URL starts with `prefix`, in order: `s3://bucket/prefix`,
-        `gs://`, `az://`, or the whole bucket (`s3://bucket/`); a local folder (`data/train/`)
-        at any depth. A listing that fails raises FetchError naming the prefix and the
-        store's answer; http(s):// has no listing (ValueError)."""
+        """Every object under `prefix`, in order: `s3://bucket/prefix/`, `gs://`, `az://`, or
+        the whole bucket (`s3://bucket/`); a local folder (`data/train/`) at any depth. A
+        listing that fails raises FetchError naming the prefix and the store's answer;
+        http(s):// has no listing (ValueError)."""
         return cls(storage.list_prefix(prefix), labels)
 
     def __len__(self) -> int:

@@ -8,10 +8,12 @@ import contextlib
 import itertools
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
-from distributed import KilledWorker, WorkerPlugin
+from distributed import KilledWorker, WorkerPlugin, get_worker
 
+from .._errors import LoaderError
 from .blocking import off_loop
 from .decode import DecodeSpec, run_chunk
 from .messages import Chunk, ChunkResult
@@ -38,7 +40,22 @@ class ShipSpec(WorkerPlugin):
 
 
 def run_named_chunk(name: str, chunk: Chunk) -> ChunkResult:
-    return run_chunk(_specs[name], chunk)
+    spec = _specs.get(name)
+    if spec is None:  # a worker that joined while the plugin was being registered
+        plugin = get_worker().plugins.get(name)
+        if plugin is None:
+            raise LoaderError(f"this Dask worker has not got the decode spec {name} (its "
+                              "plugin was removed: the Loader was closed)")
+        plugin.setup(get_worker())
+        spec = _specs[name]
+    return run_chunk(spec, chunk)
+
+
+@dataclass
+class _Submitted:
+    key: str
+    worker: str | None = None
+    """The worker's address, once located."""
 
 
 class DaskBackend:
@@ -49,37 +66,35 @@ class DaskBackend:
     (by its nanny), as the pool kills its process. The client and its cluster are the
     caller's: closing removes the plugin and leaves them running."""
 
+    on_deadline = "its Dask worker was restarted"
+
     def __init__(self, client: Any, spec: DecodeSpec, workers: int) -> None:
         self._client = client
         self._spec = pack_spec(spec)
         self._name = f"aioloader-decode-{uuid.uuid4().hex[:8]}"
-        self._shipped = False
+        self._registered = False
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._keys: dict[int, str] = {}
-        self._workers: dict[int, str] = {}
-        """Where the tasks the stall watchdog or a deadline asked about run."""
-        self._threads = 0
 
     async def start(self) -> None:
-        if not self._shipped:
+        if not self._registered:
             await off_loop(self._ship)
 
     def _ship(self) -> None:
         with self._lock:
-            if not self._shipped:
-                self._threads = sum(self._client.nthreads().values())
+            if not self._registered:
+                self._registered = True  # the scheduler keeps it even if a worker's setup fails
                 self._client.register_plugin(ShipSpec(self._name, self._spec), name=self._name)
-                self._shipped = True
 
     def slots(self) -> int:
-        return max(self._threads, 1)
+        """The cluster's worker threads now."""
+        threads: dict[str, int] = self._client.nthreads()
+        return max(sum(threads.values()), 1)
 
     async def run(self, task: RemoteTask) -> ChunkResult:
-        key = f"{self._name}-{next(self._ids)}"
-        self._keys[task.id] = key
-        future = self._client.submit(run_named_chunk, self._name, task.chunk, key=key,
-                                     pure=False)
+        submitted = task.handle = _Submitted(f"{self._name}-{next(self._ids)}")
+        future = self._client.submit(run_named_chunk, self._name, task.chunk,
+                                     key=submitted.key, pure=False)
         try:
             result: ChunkResult = await off_loop(future.result)
             return result
@@ -87,34 +102,33 @@ class DaskBackend:
             threading.Thread(target=future.cancel, name="aioloader-dask-cancel",
                              daemon=True).start()
             raise
-        finally:
-            self._keys.pop(task.id, None)
 
     def lost(self, error: BaseException) -> str | None:
         return f"Dask gave up on the task: {error}" if isinstance(error, KilledWorker) else None
 
     def locate(self, tasks: list[RemoteTask]) -> None:
-        """Ask the scheduler which worker processes each task (only when the stall watchdog
-        or a deadline asks: it is a round trip)."""
+        """Ask the scheduler which worker processes each task."""
         where = {key: worker for worker, keys in self._client.processing().items()
                  for key in keys}
         for task in tasks:
-            worker = where.get(self._keys.get(task.id, ""))
-            task.where = f"Dask worker {worker}" if worker else "the Dask cluster"
-            if worker:
-                self._workers[task.id] = worker
+            submitted: _Submitted = task.handle
+            submitted.worker = where.get(submitted.key)
+            task.where = (f"Dask worker {submitted.worker}" if submitted.worker
+                          else "the Dask cluster")
 
-    async def stop(self, task: RemoteTask) -> None:
-        """Restart the worker running the task: nothing else interrupts it."""
-        worker = self._workers.pop(task.id, None)
-        if worker is not None:
+    async def stop(self, task: RemoteTask, lost: bool) -> None:
+        """Restart the worker running the task (nothing else interrupts it); a worker lost
+        is restarted by its nanny already."""
+        worker = task.handle.worker if task.handle is not None else None
+        if worker is not None and not lost:
             await off_loop(lambda: self._client.restart_workers(
                 [worker], timeout=RESTART_SECONDS, raise_for_error=False))
 
     def close(self) -> None:
         with self._lock:
-            shipped, self._shipped = self._shipped, False
-        if shipped:  # the scheduler forgets it first; a worker restarting now (a deadline's)
-            # answers KeyError (it has none) or closes the connection: no failure of ours
+            registered, self._registered = self._registered, False
+        if registered and self._client.status == "running":
+            # the scheduler forgets it first; a worker restarting now (a deadline's) answers
+            # KeyError (it has none) or closes the connection: no failure of ours
             with contextlib.suppress(KeyError, OSError):
                 self._client.unregister_worker_plugin(self._name)

@@ -17,6 +17,9 @@ class ExecutorBackend:
     running cannot be stopped, and its result is dropped. A broken process pool cannot be
     mended from outside: its error ends the pass."""
 
+    on_deadline = "nothing stops a running task on an executor: its worker is used again once "\
+        "the task ends"
+
     def __init__(self, executor: Executor, spec: DecodeSpec, workers: int) -> None:
         self._executor = executor
         self._spec = pack_spec(spec)
@@ -35,7 +38,7 @@ class ExecutorBackend:
         task.handle = self._executor.submit(run_pickled_chunk, self._spec, task.chunk)
         return await asyncio.wrap_future(task.handle)  # cancelled: the executor's future too
 
-    async def stop(self, task: RemoteTask) -> None:
+    async def stop(self, task: RemoteTask, lost: bool) -> None:
         """Nothing stops a running task here: its worker is free when it ends."""
         with contextlib.suppress(BaseException):
             await asyncio.wrap_future(task.handle)

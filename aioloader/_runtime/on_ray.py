@@ -1,10 +1,13 @@
 """Decoding on Ray actors (`executor="ray"`; the extra `aioloader[ray]`): the cluster
-`ray.init()` finds (RAY_ADDRESS), or a local one started for the Loader and stopped with it."""
+`ray.init()` finds (RAY_ADDRESS), or a local one started here and stopped once the last Loader
+using it closes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 from .._errors import LoaderError
@@ -14,6 +17,11 @@ from .messages import Chunk, ChunkResult
 from .remote import RemoteTask, pack_spec, unpack_spec
 
 START_SECONDS = 120.0
+_ray_lock = threading.Lock()
+_ray_users = 0
+"""Loaders using Ray in this process."""
+_ray_started = False
+"""Ray was started here (not found running): shut down when its last user closes."""
 
 
 def import_ray() -> Any:
@@ -23,6 +31,24 @@ def import_ray() -> Any:
         raise ImportError(f'ray is needed for executor="ray": pip install \'aioloader[ray]\' '
                           f"({e})") from None
     return ray
+
+
+def _use_ray(ray: Any) -> None:
+    global _ray_users, _ray_started
+    with _ray_lock:
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, configure_logging=False)
+            _ray_started = True
+        _ray_users += 1
+
+
+def _let_go_of_ray(ray: Any) -> None:
+    global _ray_users, _ray_started
+    with _ray_lock:
+        _ray_users -= 1
+        if _ray_users == 0 and _ray_started:
+            _ray_started = False
+            ray.shutdown()
 
 
 class DecodeActor:
@@ -42,8 +68,11 @@ class DecodeActor:
 class RayBackend:
     """`num_workers` actors of one CPU each, each running one chunk at a time. The spec goes
     into Ray's object store once and reaches each actor once; each task carries its chunk. An
-    actor that dies, or runs past the deadline (killed), is replaced. Closing kills the
-    actors, and stops or leaves the cluster as it was found: Ray started here is shut down."""
+    actor whose chunk was cancelled (a deadline, a pass dropped) or that died is replaced, and
+    none is given a chunk while it is. Closing kills the actors; Ray started here stops when
+    its last Loader closes, Ray found running is left so."""
+
+    on_deadline = "its Ray actor was killed and replaced"
 
     def __init__(self, executor: str, spec: DecodeSpec, workers: int) -> None:
         self._ray = import_ray()
@@ -52,7 +81,8 @@ class RayBackend:
         self._actors: list[Any] = []
         self._where: list[str] = []
         self._busy: list[int] = []
-        self._started_ray = False
+        self._replacing: dict[int, Future[None]] = {}
+        self._using = False
         self._spec_ref: Any = None
         self._lock = threading.Lock()
 
@@ -65,16 +95,26 @@ class RayBackend:
         with self._lock:
             if self._actors:
                 return
-            if not ray.is_initialized():
-                ray.init(include_dashboard=False, configure_logging=False)
-                self._started_ray = True
+            if not self._using:
+                _use_ray(ray)
+                self._using = True
             cpus = ray.cluster_resources().get("CPU", 0)
             if cpus < self._count:
-                raise LoaderError(f"the Ray cluster has {cpus:g} CPUs: too few for num_workers="
-                                  f"{self._count} actors of one CPU each")
+                raise LoaderError(f"the Ray cluster has {cpus:g} CPUs: too few for "
+                                  f"num_workers={self._count} actors of one CPU each")
             self._spec_ref = ray.put(self._spec)
             actors = [self._new_actor() for _ in range(self._count)]
-            self._where = ray.get([a.where.remote() for a in actors], timeout=START_SECONDS)
+            try:
+                self._where = ray.get([a.where.remote() for a in actors], timeout=START_SECONDS)
+            except BaseException as e:
+                for actor in actors:
+                    ray.kill(actor, no_restart=True)
+                if isinstance(e, ray.exceptions.GetTimeoutError):
+                    free = ray.available_resources().get("CPU", 0)
+                    raise LoaderError(
+                        f"{self._count} Ray actors of one CPU each did not start within "
+                        f"{START_SECONDS:g} s ({free:g} of {cpus:g} CPUs free)") from e
+                raise
             self._busy = [0] * self._count
             self._actors = actors
 
@@ -82,17 +122,45 @@ class RayBackend:
         return self._count
 
     async def run(self, task: RemoteTask) -> ChunkResult:
-        number = min(range(self._count), key=self._busy.__getitem__)
+        number = await self._pick()
         task.handle, task.where = number, f"Ray actor {number} ({self._where[number]})"
         self._busy[number] += 1
         try:
             result: ChunkResult = await self._actors[number].decode.remote(task.chunk)
             return result
-        except self._ray.exceptions.RayActorError:
-            await off_loop(self._replace, number)
+        except (asyncio.CancelledError, self._ray.exceptions.RayActorError):
+            self._retire(number)  # left busy with the chunk, or dead
             raise
         finally:
             self._busy[number] -= 1
+
+    async def _pick(self) -> int:
+        """The least busy actor not being replaced (waiting for one if all are)."""
+        while True:
+            ready = [n for n in range(self._count) if n not in self._replacing]
+            if ready:
+                return min(ready, key=self._busy.__getitem__)
+            replacing = list(self._replacing.values())  # a thread may end one meanwhile
+            if replacing:
+                await asyncio.wait([asyncio.wrap_future(f) for f in replacing],
+                                   return_when=asyncio.FIRST_COMPLETED)
+
+    def _retire(self, number: int) -> None:
+        """Replace the actor on a thread of its own; it gets no chunk until then."""
+        if number in self._replacing:
+            return
+        done: Future[None] = Future()
+        self._replacing[number] = done
+
+        def replace() -> None:
+            done.set_running_or_notify_cancel()  # no longer cancellable by a waiter
+            try:
+                self._replace(number)
+                done.set_result(None)
+            except BaseException as e:
+                done.set_exception(e)
+
+        threading.Thread(target=replace, name="aioloader-ray-replace", daemon=True).start()
 
     def lost(self, error: BaseException) -> str | None:
         if isinstance(error, self._ray.exceptions.RayActorError):
@@ -102,19 +170,25 @@ class RayBackend:
     def locate(self, tasks: list[RemoteTask]) -> None:
         return  # known from the start
 
-    async def stop(self, task: RemoteTask) -> None:
-        await off_loop(self._replace, task.handle)
+    async def stop(self, task: RemoteTask, lost: bool) -> None:
+        """Wait for the replacement begun when the chunk was cancelled or its actor died."""
+        replacing = self._replacing.get(task.handle)
+        if replacing is not None:  # a waiter let go of must not cancel the replacement
+            await asyncio.shield(asyncio.wrap_future(replacing))
 
     def _replace(self, number: int) -> None:
         """Kill the actor (if it still lives) and start another in its place."""
         ray = self._ray
-        with self._lock:
-            if not self._actors:
-                return  # closed meanwhile
-            ray.kill(self._actors[number], no_restart=True)
-            fresh = self._new_actor()
-            self._where[number] = ray.get(fresh.where.remote(), timeout=START_SECONDS)
-            self._actors[number] = fresh
+        try:
+            with self._lock:
+                if not self._actors:
+                    return  # closed meanwhile
+                ray.kill(self._actors[number], no_restart=True)
+                fresh = self._new_actor()
+                self._where[number] = ray.get(fresh.where.remote(), timeout=START_SECONDS)
+                self._actors[number] = fresh
+        finally:
+            self._replacing.pop(number, None)
 
     def _new_actor(self) -> Any:
         return self._ray.remote(num_cpus=1, max_restarts=0)(DecodeActor).remote(self._spec_ref)
@@ -125,6 +199,6 @@ class RayBackend:
             actors, self._actors = self._actors, []
             for actor in actors:
                 ray.kill(actor, no_restart=True)
-            if self._started_ray:
-                self._started_ray = False
-                ray.shutdown()
+            using, self._using = self._using, False
+        if using:
+            _let_go_of_ray(ray)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from .._errors import DecodeTimeoutError, WorkerDiedError
 from .._stats import now
 from . import transport
+from .blocking import off_loop
 from .channel import dumps
 from .decode import DecodeSpec, run_chunk
 from .decoders import short_list
@@ -70,22 +71,28 @@ class Backend(Protocol):
     """Where chunks are decoded when `executor=` is given; kept by the Loader from pass to pass
     (the spec is shipped once), closed with it."""
 
+    on_deadline: str
+    """What happens to a task past its deadline, for the error: "its actor was replaced"."""
+
     async def start(self) -> None:
         """Ship the decode spec to the workers, start what the backend starts (once)."""
         ...
 
     def slots(self) -> int:
         """Chunks that run at once (worker threads, actors): no more are sent, so that none
-        waits in a worker's queue, where its deadline would run out unstarted."""
+        waits in a worker's queue, where its deadline would run out unstarted. Blocking
+        (asked once a pass, off the loop)."""
         ...
 
     async def run(self, task: RemoteTask) -> ChunkResult:
-        """Decode a chunk on a worker. Cancelled (a pass dropped): let go of its result."""
+        """Decode a chunk on a worker. Cancelled (a deadline, a pass dropped): let go of its
+        result, and see that its worker does not stay busy with it."""
         ...
 
-    async def stop(self, task: RemoteTask) -> None:
+    async def stop(self, task: RemoteTask, lost: bool) -> None:
         """The task ran past its deadline: free its worker (kill or restart it, or wait for
-        the task to end where that is impossible); return once the worker is free."""
+        the task to end where nothing can stop it); or its worker died (`lost`): wait for its
+        replacement where the backend makes one. Return once the worker is free."""
         ...
 
     def lost(self, error: BaseException) -> str | None:
@@ -93,7 +100,7 @@ class Backend(Protocol):
         ...
 
     def locate(self, tasks: list[RemoteTask]) -> None:
-        """Fill in where tasks run, for the stall watchdog (may ask the cluster)."""
+        """Fill in where tasks run (blocking: a round trip to a scheduler, run off the loop)."""
         ...
 
     def close(self) -> None:
@@ -113,6 +120,8 @@ BACKENDS: list[tuple[Callable[[object], bool], str]] = [
     (lambda executor: isinstance(executor, Executor), ".on_executor:ExecutorBackend"),
 ]
 """What `executor=` may be, and the backend for it (`module:Class`, imported on use)."""
+LOCATE_SECONDS = 1.0
+"""A task running this long is located (where it runs), for the watchdog and its error."""
 
 
 def backend_for(executor: object, spec: DecodeSpec, workers: int) -> Backend:
@@ -147,10 +156,16 @@ class BackendHolder:
             self.backend.close()
 
 
+class _PastDeadline(Exception):
+    """A chunk ran past decode_timeout (not a TimeoutError: a backend's own may be one)."""
+
+
 class RemoteDecoder:
     """A pass's use of a backend: the pool's guarantees, whatever runs the chunks. At most
-    `slots` chunks are out at once; a slot whose chunk ran past its deadline is taken again
-    only once the backend freed its worker."""
+    `slots` chunks are out at once; the slot of a chunk whose worker must be freed (past its
+    deadline, or lost) is taken again only once the backend freed it. Such chunks stay in view
+    of the stall watchdog meanwhile: a worker an executor cannot stop is named, not waited on
+    for ever."""
 
     shared = False
 
@@ -171,15 +186,18 @@ class RemoteDecoder:
         self._on_timeout = on_timeout
         self._ids = itertools.count()
         self._running: dict[int, RemoteTask] = {}
+        """Chunks out, and those whose worker is being freed."""
         self._slots: asyncio.Semaphore | None = None
-        self._stopping = TaskSet()
+        self._freeing = TaskSet()
         self.restarts = 0
         self._failure: BaseException | None = None
 
     async def decode(self, chunk: Chunk) -> ChunkResult:
         await self._backend.start()
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self._backend.slots())
+        if self._slots is None:  # per pass: a cluster may have grown or shrunk since
+            slots = await off_loop(self._backend.slots)
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(slots)
         deaths = 0
         while True:
             if self._failure is not None:
@@ -192,44 +210,55 @@ class RemoteDecoder:
                 result = await self._run(task)
                 result.needed = transport.shared_bytes(result.items)  # counted while held
                 return result
-            except asyncio.TimeoutError:
+            except _PastDeadline:
                 freed = False
-                self._stopping.start(self._free(task))
+                self._freeing.start(self._free(task, lost=False))
                 return self._timed_out(task)
             except Exception as e:
                 cause = self._backend.lost(e)
                 if cause is None:
                     raise
+                freed = False
+                self._freeing.start(self._free(task, lost=True))
                 deaths += 1
                 if self._restart(task, cause, deaths):
                     return self._give_up(chunk, WorkerDiedError(
                         f"samples {short_list(chunk.indices)} killed a worker twice ({cause}); "
                         "they are not sent again"), f"killed a worker twice ({cause})")
             finally:
-                self._running.pop(task.id, None)
                 if freed:
+                    self._running.pop(task.id, None)
                     self._slots.release()
 
     async def _run(self, task: RemoteTask) -> ChunkResult:
-        """The task's result; TimeoutError past the deadline, the task cancelled here after
-        the backend was asked where it runs (to stop it there)."""
+        """The task's result; _PastDeadline once it ran past the deadline (cancelled here).
+        A task still running after LOCATE_SECONDS asks the backend where it runs, off the
+        loop (a round trip to a scheduler), for the watchdog and the deadline's error."""
         running = asyncio.ensure_future(self._backend.run(task))
         try:
-            done, _ = await asyncio.wait({running}, timeout=self._timeout)
+            wait = self._timeout if self._timeout is not None else LOCATE_SECONDS
+            done, _ = await asyncio.wait({running}, timeout=min(wait, LOCATE_SECONDS))
+            if not done:
+                await off_loop(self._backend.locate, [task])
+                left = None if self._timeout is None else max(
+                    0.0, self._timeout - (now() - task.started))
+                done, _ = await asyncio.wait({running}, timeout=left)
         except asyncio.CancelledError:
             running.cancel()
             raise
         if running in done:
             return running.result()
-        self._backend.locate([task])
         running.cancel()
-        raise asyncio.TimeoutError
+        raise _PastDeadline
 
-    async def _free(self, task: RemoteTask) -> None:
+    async def _free(self, task: RemoteTask, lost: bool) -> None:
+        """Free the task's worker (see `Backend.stop`), then its slot."""
         assert self._slots is not None
+        task.where = f"{task.where or 'the executor'}, being freed"
         try:
-            await self._backend.stop(task)
+            await self._backend.stop(task, lost)
         finally:
+            self._running.pop(task.id, None)
             self._slots.release()
 
     def _restart(self, task: RemoteTask, cause: str, deaths: int) -> bool:
@@ -254,10 +283,10 @@ class RemoteDecoder:
         assert self._timeout is not None
         if self._on_timeout is not None:
             self._on_timeout()
-        where = task.where or "the executor"
+        where = task.where.removesuffix(", being freed") or "the executor"
         return self._give_up(task.chunk, DecodeTimeoutError(
             f"decoding samples {short_list(task.chunk.indices)} took longer than "
-            f"decode_timeout={self._timeout:g} s on {where}; the task was cancelled"
+            f"decode_timeout={self._timeout:g} s on {where}; {self._backend.on_deadline}"
         ), f"decode took longer than decode_timeout={self._timeout:g} s")
 
     def _give_up(self, chunk: Chunk, error: Exception, reason: str) -> ChunkResult:
@@ -268,21 +297,18 @@ class RemoteDecoder:
 
     def in_flight(self) -> list[tuple[float, str]]:
         tasks = list(self._running.values())
-        if not tasks:
-            return []
-        self._backend.locate(tasks)
         moment = now()
         return [(moment - task.started,
                  f"samples {short_list(task.chunk.indices)} on {task.where or 'the executor'}")
                 for task in tasks]
 
     def abandon(self) -> None:
-        """The chunks are cancelled with the pass's tasks that await them; the workers being
-        freed are left to it."""
-        self._stopping.cancel_all()
+        """The chunks are cancelled with the pass's tasks that await them (a backend frees
+        a worker left running them); the waits on workers being freed are let go of."""
+        self._freeing.cancel_all()
 
     async def aclose(self) -> None:
-        """The backend is the Loader's, kept for the next pass: only the workers still being
-        freed are let go of (a worker an executor cannot stop frees itself)."""
-        tasks = self._stopping.cancel_all()
+        """The backend is the Loader's, kept for the next pass: only the waits on workers
+        being freed are let go of (the freeing itself goes on)."""
+        tasks = self._freeing.cancel_all()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -48,7 +48,8 @@ class Store(Protocol):
 
     @classmethod
     def list(cls, prefix: str) -> list[str]:
-        """URLs of every object whose URL starts with `prefix`, in order."""
+        """URLs of every object under `prefix` (by whole path segments: `data/train` holds
+        `data/train/0.jpg`, not `data/train-0.jpg`), in order."""
         ...
 
     async def aclose(self) -> None: ...

@@ -37,6 +37,10 @@ def local_path(url: str) -> str | None:
     return url
 
 
+def scheme_of_file(url: str) -> bool:
+    return urlsplit(url).scheme == "file"
+
+
 def _error(path: str, error: OSError) -> FetchError:
     return FetchError(path, f"{type(error).__name__}: {error.strerror or error}")
 
@@ -107,21 +111,23 @@ class LocalStore:
 
     @classmethod
     def list(cls, prefix: str) -> list[str]:
-        """Every file whose path starts with `prefix` (a folder ending in `/` gives all the
-        files under it, at any depth), in order: paths for a path, file:// URLs for one."""
-        path = _path(prefix)
-        folder = os.path.dirname(path)
-        if folder and not os.path.isdir(folder):
+        """Every file under the folder `prefix` names, at any depth, in order (as object
+        stores list a key prefix: by whole path segments): paths for a path, file:// URLs
+        for one. Linked folders are followed, each once."""
+        folder = _path(prefix).rstrip("/") or "/"
+        if not os.path.isdir(folder):
             raise FetchError(prefix, f"no folder {folder!r} to list")
-        found = []
-        for root, _, names in os.walk(folder or ".", followlinks=True):
-            for name in names:
-                full = os.path.join(root, name) if folder else os.path.relpath(
-                    os.path.join(root, name))
-                if full.startswith(path):
-                    found.append(full)
+        found: list[str] = []
+        seen: set[str] = set()
+        for root, folders, names in os.walk(folder, followlinks=True):
+            real = os.path.realpath(root)
+            if real in seen:  # a link back up: walked already
+                folders.clear()
+                continue
+            seen.add(real)
+            found.extend(os.path.join(root, name) for name in names)
         found.sort()
-        return [f"file://{quote(p)}" for p in found] if path != prefix else found
+        return [f"file://{quote(p)}" for p in found] if scheme_of_file(prefix) else found
 
     async def aclose(self) -> None:
         self._executor.shutdown(wait=True)

@@ -154,7 +154,8 @@ class Storage(AsyncClosing):
 
 
 def list_prefix(prefix: str) -> list[str]:
-    """Every object whose URL starts with `prefix`, in order, from the store of its scheme."""
+    """Every object under `prefix` (by whole path segments), in order, from the store of its
+    scheme."""
     return store_class(prefix).list(prefix)
 
 
