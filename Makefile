@@ -41,10 +41,12 @@ lint: $(STAMP)
 # nginx serves plain static files to the tests (Range requests); Debian's nginx-light. npm
 # installs Azurite.
 system-deps:
-	@{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } && command -v npm >/dev/null \
-	|| { SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+	@missing=""; \
+	{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } || missing="nginx-light"; \
+	command -v npm >/dev/null || missing="$$missing npm"; \
+	[ -z "$$missing" ] || { SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nginx-light npm; }
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; }
 
 test: lint system-deps $(AZURITE)
 	$(BIN)/pytest -q
