@@ -202,6 +202,27 @@ def test_close_leaves_a_given_cluster_as_it_found_it(cluster: Any, local_paths: 
     assert not any(keys for keys in cluster.has_what().values())  # no result left
 
 
+def test_dask_batches_come_from_their_workers_not_relayed_by_the_scheduler(
+    dask_client: Any, local_paths: list[str]
+) -> None:
+    """Dask's default gathers a result through the scheduler: every batch copied twice."""
+    scheduler = dask_client.cluster.scheduler
+    gather = scheduler.handlers["gather"]
+    relayed: list[Any] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        relayed.append(kwargs.get("keys"))
+        return gather(*args, **kwargs)
+
+    scheduler.handlers["gather"] = counted
+    try:
+        got = run(local_paths, executor=dask_client, num_workers=2)
+    finally:
+        scheduler.handlers["gather"] = gather
+    assert_same_batches(got, run(local_paths, num_workers=2))
+    assert relayed == []
+
+
 def test_an_executor_of_another_kind_is_refused_naming_what_works(local_paths: list[str]) -> None:
     with pytest.raises(ValueError, match=r"concurrent\.futures\.Executor, a Dask"):
         aioloader.Loader(aioloader.Files(local_paths), executor="spark")

@@ -96,12 +96,20 @@ class DaskBackend:
         future = self._client.submit(run_named_chunk, self._name, task.chunk,
                                      key=submitted.key, pure=False)
         try:
-            result: ChunkResult = await off_loop(future.result)
+            result: ChunkResult = await off_loop(self._gather, future)
             return result
         except asyncio.CancelledError:
             threading.Thread(target=future.cancel, name="aioloader-dask-cancel",
                              daemon=True).start()
             raise
+
+    def _gather(self, future: Any) -> ChunkResult:
+        """The result straight from its worker, unless the client was told to go through the
+        scheduler (`direct_to_workers=False`, for workers it cannot reach): Dask's default
+        relays every result through the scheduler, a second copy of each batch."""
+        direct = self._client.direct_to_workers
+        result: ChunkResult = self._client.gather(future, direct=direct is not False)
+        return result
 
     def lost(self, error: BaseException) -> str | None:
         return f"Dask gave up on the task: {error}" if isinstance(error, KilledWorker) else None
