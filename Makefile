@@ -5,6 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install --quiet
 STAMP := $(VENV)/.installed
+# the project's bytecode, as a wheel install has it: with PYTHONDONTWRITEBYTECODE set, an
+# editable install would compile every module again in each new process (0.2 s of aioloader's
+# imports in each zygote and service)
+BYTECODE = $(1)/python -m compileall -q aioloader benchmarks examples tests >/dev/null
 DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: install system-deps demo test lint bench bench-peers soak clean
@@ -32,6 +36,7 @@ $(DEMO_STAMP): pyproject.toml Makefile | $(BIN)/python
 	touch $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
+	$(call BYTECODE,$(BIN))
 	$(BIN)/aioloader demo
 
 lint: $(STAMP)
@@ -49,13 +54,16 @@ system-deps:
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; }
 
 test: lint system-deps $(AZURITE)
+	$(call BYTECODE,$(BIN))
 	$(BIN)/pytest -q
 
 # SOAK_MINUTES=30 by default
 soak: $(STAMP)
+	$(call BYTECODE,$(BIN))
 	$(BIN)/pytest -m soak -s --timeout=0 tests/test_soak.py
 
 bench: $(STAMP)
+	$(call BYTECODE,$(BIN))
 	$(BIN)/python benchmarks/remote_latency.py
 	$(BIN)/python benchmarks/tail_latency.py
 	$(BIN)/python benchmarks/formats.py
@@ -67,6 +75,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/reduced_decode.py
 	$(BIN)/python benchmarks/gil.py
 	$(BIN)/python benchmarks/node.py
+	$(BIN)/python benchmarks/cluster.py
 
 # the streaming loaders aioloader is compared with, and HF datasets, in a venv of their own
 PEERS := .venv-peers
@@ -82,6 +91,7 @@ $(PEERS)/.installed: benchmarks/peers-requirements.txt pyproject.toml
 	touch $@
 
 bench-peers: $(PEERS)/.installed
+	$(call BYTECODE,$(PEERS)/bin)
 	$(PEERS)/bin/python benchmarks/peers.py
 	$(PEERS)/bin/python benchmarks/parquet.py
 	$(PEERS)/bin/python benchmarks/shuffle_quality.py

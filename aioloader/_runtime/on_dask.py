@@ -75,6 +75,9 @@ class DaskBackend:
         self._registered = False
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._restarted: set[str] = set()
+        """Workers restarted here (a deadline's): a task they took with them is sent again,
+        not counted as a worker lost."""
 
     async def start(self) -> None:
         if not self._registered:
@@ -92,16 +95,26 @@ class DaskBackend:
         return max(sum(threads.values()), 1)
 
     async def run(self, task: RemoteTask) -> ChunkResult:
-        submitted = task.handle = _Submitted(f"{self._name}-{next(self._ids)}")
-        future = self._client.submit(run_named_chunk, self._name, task.chunk,
-                                     key=submitted.key, pure=False)
-        try:
-            result: ChunkResult = await off_loop(self._gather, future)
-            return result
-        except asyncio.CancelledError:
-            threading.Thread(target=future.cancel, name="aioloader-dask-cancel",
-                             daemon=True).start()
-            raise
+        """The chunk's result; sent again when a restart of ours (another chunk's deadline)
+        killed it: the scheduler may have given it to that worker once the stuck task was
+        cancelled, and no worker was lost to it. Once only: a worker that comes back at the
+        same address and dies again is lost."""
+        resent = False
+        while True:
+            submitted = task.handle = _Submitted(f"{self._name}-{next(self._ids)}")
+            future = self._client.submit(run_named_chunk, self._name, task.chunk,
+                                         key=submitted.key, pure=False)
+            try:
+                result: ChunkResult = await off_loop(self._gather, future)
+                return result
+            except KilledWorker as e:
+                if resent or getattr(e.last_worker, "address", None) not in self._restarted:
+                    raise
+                resent = True
+            except asyncio.CancelledError:
+                threading.Thread(target=future.cancel, name="aioloader-dask-cancel",
+                                 daemon=True).start()
+                raise
 
     def _gather(self, future: Any) -> ChunkResult:
         """The result straight from its worker, unless the client was told to go through the
@@ -129,6 +142,7 @@ class DaskBackend:
         is restarted by its nanny already."""
         worker = task.handle.worker if task.handle is not None else None
         if worker is not None and not lost:
+            self._restarted.add(worker)
             await off_loop(lambda: self._client.restart_workers(
                 [worker], timeout=RESTART_SECONDS, raise_for_error=False))
 
