@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -221,6 +223,27 @@ def test_dask_batches_come_from_their_workers_not_relayed_by_the_scheduler(
         scheduler.handlers["gather"] = gather
     assert_same_batches(got, run(local_paths, num_workers=2))
     assert relayed == []
+
+
+def test_a_ray_the_loader_started_is_stopped_when_it_closes(local_paths: list[str]) -> None:
+    """In a fresh interpreter with no Ray running: `executor="ray"` starts one (on loopback),
+    and closing the Loader stops it, leaving none of its processes."""
+    code = f"""
+import os, psutil, ray, aioloader
+paths = {local_paths[:8]!r}
+with aioloader.Loader(aioloader.Files(paths), decode=len, batch_size=4, executor="ray",
+                      num_workers=1) as loader:
+    got = sorted(int(n) for batch in loader for n in batch)
+    assert got == sorted(os.path.getsize(p) for p in paths), got
+    assert ray.is_initialized(), "started"
+print(ray.is_initialized(), [p.name() for p in psutil.Process().children(recursive=True)])
+"""
+    environment = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    environment.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=environment)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "False []"
 
 
 def test_an_executor_of_another_kind_is_refused_naming_what_works(local_paths: list[str]) -> None:
