@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from .messages import Chunk, ChunkResult
 from .remote import RemoteTask, pack_spec, unpack_spec
 
 RESTART_SECONDS = 60
+RELEASE_SECONDS = 5.0
 _specs: dict[str, DecodeSpec] = {}
 """In a worker: the decode specs its plugins brought, by name."""
 
@@ -154,3 +156,14 @@ class DaskBackend:
             # KeyError (it has none) or closes the connection: no failure of ours
             with contextlib.suppress(KeyError, OSError):
                 self._client.unregister_worker_plugin(self._name)
+            self._wait_for_release()
+
+    def _wait_for_release(self) -> None:
+        """Results dropped here are released by the client in the background: wait (a few
+        seconds at most) until no worker holds one, so the cluster is left as found."""
+        deadline = time.monotonic() + RELEASE_SECONDS
+        while time.monotonic() < deadline and any(
+            str(key).startswith(self._name)
+            for keys in self._client.has_what().values() for key in keys
+        ):
+            time.sleep(0.05)
