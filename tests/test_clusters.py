@@ -64,8 +64,12 @@ def ray_client() -> Iterator[str]:
 
 @pytest.fixture(params=["dask", "ray"])
 def cluster(request: pytest.FixtureRequest) -> Any:
-    """What `executor=` is given for each backend."""
-    return request.getfixturevalue(f"{request.param}_client")
+    """What `executor=` is given for each backend; Dask's with both workers up (a test before
+    may have killed or restarted one, which its nanny brings back in the background)."""
+    executor = request.getfixturevalue(f"{request.param}_client")
+    if request.param == "dask":
+        executor.wait_for_workers(2, timeout=60)
+    return executor
 
 
 def worker_pids(executor: Any) -> list[int]:
