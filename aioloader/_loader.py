@@ -42,7 +42,7 @@ from ._runtime import autotune, node, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
 from ._runtime.decode import DecodeSpec
-from ._runtime.decoders import Decoder, InlineDecoder, PoolDecoder
+from ._runtime.decoders import Decoder, InlineDecoder, PoolDecoder, Recovery
 from ._runtime.fingerprint import fingerprint
 from ._runtime.passes import END, Pass, PassConfig
 from ._runtime.pool import DecodePool
@@ -614,9 +614,7 @@ class Loader(Closing, AsyncClosing):
 
     def _decoder(self, epoch: int) -> Decoder:
         if self._backend is not None:
-            return RemoteDecoder(self._backend.backend, self.config.decode_timeout,
-                                 self.config.max_worker_restarts, self.config.skip_errors,
-                                 self._worker_restarted, on_timeout=self._decode_timed_out)
+            return RemoteDecoder(self._backend.backend, self._recovery())
         if not self.num_workers or self._nothing_to_decode():
             return InlineDecoder(self._spec)
         base_seed = int(
@@ -629,9 +627,11 @@ class Loader(Closing, AsyncClosing):
                 return self._holder.get(self, base_seed)
             return DecodePool(self._spec, self.num_workers, base_seed, self.config.worker_init)
 
-        return PoolDecoder(get_pool, not self.config.persistent_workers, self.config.decode_timeout,
-                           self.config.max_worker_restarts, self.config.skip_errors,
-                           self._worker_restarted, on_timeout=self._decode_timed_out)
+        return PoolDecoder(get_pool, not self.config.persistent_workers, self._recovery())
+
+    def _recovery(self) -> Recovery:
+        return Recovery(self.config.decode_timeout, self.config.max_worker_restarts,
+                        self.config.skip_errors, self._worker_restarted, self._decode_timed_out)
 
     def _nothing_to_decode(self) -> bool:
         """No decode, no augment, no cache, nothing read in the workers, the default collate

@@ -24,7 +24,7 @@ import aioloader
 from aioloader._runtime import zygote
 from aioloader._runtime.channel import Channel
 from aioloader._runtime.decode import DecodeSpec
-from aioloader._runtime.decoders import PoolDecoder
+from aioloader._runtime.decoders import PoolDecoder, Recovery
 from aioloader._runtime.messages import Chunk
 from aioloader._runtime.pool import DecodePool
 
@@ -300,9 +300,9 @@ def test_a_channel_message_carries_descriptors_and_a_body_larger_than_the_socket
 async def test_a_decode_timeout_is_reported_to_the_passes_observer(leak_check: None) -> None:
     spec = DecodeSpec(stuck_on_five, None, True, 0)
     timeouts: list[None] = []
-    decoder = PoolDecoder(lambda: DecodePool(spec, 1, 0, None), True, 0.5, 3, True,
-                          on_restart=lambda message: None,
-                          on_timeout=lambda: timeouts.append(None))
+    decoder = PoolDecoder(lambda: DecodePool(spec, 1, 0, None), True,
+                          Recovery(0.5, 3, True, on_restart=lambda message: None,
+                                   on_timeout=lambda: timeouts.append(None)))
     try:
         result = await asyncio.wait_for(decoder.decode(Chunk(0, [5], [sample_bytes(5)])), 60)
     finally:

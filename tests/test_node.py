@@ -31,7 +31,7 @@ import aioloader
 from aioloader._runtime import node, shm
 from aioloader._runtime.channel import Channel
 from aioloader._runtime.decode import DecodeSpec
-from aioloader._runtime.decoders import PoolDecoder
+from aioloader._runtime.decoders import PoolDecoder, Recovery
 from aioloader._runtime.messages import Chunk, Environment
 from aioloader._runtime.pool import DecodePool
 from aioloader._runtime.service_client import ServiceInit
@@ -371,7 +371,7 @@ def _record_order(raw: int) -> int:
 async def _decode_in_steps(steps: list[int]) -> None:
     spec = DecodeSpec(_record_order, None, False, 0, None, None, None, 1)
     pool = DecodePool(spec, 1, 0, None)
-    decoder = PoolDecoder(lambda: pool, True, None, 0, False, lambda _: None)
+    decoder = PoolDecoder(lambda: pool, True, Recovery(None, 0, False, lambda _: None))
     try:
         await asyncio.gather(*(decoder.decode(Chunk(0, [step], [step], None, step))
                                for step in steps))

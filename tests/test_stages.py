@@ -14,7 +14,7 @@ import pytest
 
 from aioloader._errors import LoaderError, SampleError, StallError, WorkerDiedError
 from aioloader._runtime.decode import join_results
-from aioloader._runtime.decoders import PER_PROCESS, PoolDecoder
+from aioloader._runtime.decoders import PER_PROCESS, PoolDecoder, Recovery
 from aioloader._runtime.handover import Handover
 from aioloader._runtime.messages import Chunk, ChunkResult, Done, Task
 from aioloader._runtime.passes import END, Pass, PassConfig
@@ -542,8 +542,9 @@ class FakePool:
 
 
 def pool_decoder(pool: FakePool, restarts: list[str]) -> PoolDecoder:
-    return PoolDecoder(lambda: pool, owns_pool=True, decode_timeout=None,  # type: ignore[arg-type,return-value]
-                       max_restarts=1, skip_errors=False, on_restart=restarts.append)
+    return PoolDecoder(lambda: pool, owns_pool=True,  # type: ignore[arg-type,return-value]
+                       recovery=Recovery(decode_timeout=None, max_restarts=1,
+                                         skip_errors=False, on_restart=restarts.append))
 
 
 def chunk(c: int) -> Chunk:

@@ -27,6 +27,29 @@ PER_PROCESS = 2
 STATUS_WAIT = 5.0
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What a decoder does with a chunk past its deadline or a worker that died, the same
+    for the pool and for every backend (`remote.RemoteDecoder`)."""
+
+    decode_timeout: float | None
+    max_restarts: int
+    """Workers lost per pass before the pass fails."""
+    skip_errors: bool
+    """A chunk given up on has its samples skipped instead of raising."""
+    on_restart: Callable[[str], None]
+    """Told why, each time a worker was lost and its chunks sent again."""
+    on_timeout: Callable[[], None] | None = None
+    """Told of each chunk given up on at its deadline, for the loader's stats."""
+
+    def timed_out(self) -> float:
+        """A chunk was given up on at its deadline: tell, and give the deadline."""
+        assert self.decode_timeout is not None
+        if self.on_timeout is not None:
+            self.on_timeout()
+        return self.decode_timeout
+
+
 class Decoder(Protocol):
     shared: bool
     """Its processes serve other passes too: closing the pass stops none of them, so a block
@@ -119,21 +142,12 @@ class PoolDecoder:
         self,
         get_pool: Callable[[], DecodePool],
         owns_pool: bool,
-        decode_timeout: float | None,
-        max_restarts: int,
-        skip_errors: bool,
-        on_restart: Callable[[str], None],
-        on_timeout: Callable[[], None] | None = None,
+        recovery: Recovery,
     ) -> None:
         self._get_pool = get_pool
         self._owns_pool = owns_pool
         self._pool_or_none: DecodePool | None = None
-        self._timeout = decode_timeout
-        self._max_restarts = max_restarts
-        self._skip_errors = skip_errors
-        self._on_restart = on_restart
-        self._on_timeout = on_timeout
-        """Told of each chunk killed at decode_timeout, for the loader's stats."""
+        self._recovery = recovery
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
         self._waiting: list[tuple[int, int, int, _Job]] = []
@@ -159,7 +173,7 @@ class PoolDecoder:
             return
         self._pool_or_none = pool
         pool.listen(self._on_message, self._loop)
-        if self._timeout is not None:
+        if self._recovery.decode_timeout is not None:
             self._tasks.start(self._watch_deadlines())
         for process in list(pool.processes):
             if process.retired or not process.alive:
@@ -250,15 +264,15 @@ class PoolDecoder:
         cause = describe_exit(status)
         self.restarts += 1
         indices = jobs[0].chunk.indices if jobs else []
-        if self.restarts > self._max_restarts:
+        if self.restarts > self._recovery.max_restarts:
             self._fail(WorkerDiedError(
                 f"{process} ended abruptly ({cause}) while decoding samples "
-                f"{short_list(indices)}, after {self._max_restarts} restarts in this pass "
+                f"{short_list(indices)}, after {self._recovery.max_restarts} restarts in this pass "
                 "(max_worker_restarts); the OOM killer or a crash in native code are the "
                 "usual causes"
             ), jobs)
             return
-        self._on_restart(f"{process} ended abruptly ({cause}); restarted it and sent its "
+        self._recovery.on_restart(f"{process} ended abruptly ({cause}); restarted it and sent its "
                          f"{len(jobs)} chunk(s) again")
         if jobs:
             head = jobs[0]
@@ -287,35 +301,33 @@ class PoolDecoder:
         """A chunk that will not be decoded: its error, or all its samples skipped."""
         if job.future.done():
             return
-        if self._skip_errors:
+        if self._recovery.skip_errors:
             skipped = [(n, reason) for n in range(len(job.chunk.indices))]
             job.future.set_result(ChunkResult([], skipped))
         else:
             job.future.set_exception(error)
 
     async def _watch_deadlines(self) -> None:
-        assert self._timeout is not None
+        assert self._recovery.decode_timeout is not None
         while True:
-            await asyncio.sleep(min(self._timeout / 4, 0.5))
+            await asyncio.sleep(min(self._recovery.decode_timeout / 4, 0.5))
             moment = now()
             for process in list(self._pool.processes):
                 queue = self._assigned.get(process.id)
                 if not queue or not queue[0].started:
                     continue
-                if moment - queue[0].started > self._timeout:
+                if moment - queue[0].started > self._recovery.decode_timeout:
                     self._time_out(process, queue)
 
     def _time_out(self, process: DecodeProcess, queue: deque[_Job]) -> None:
-        assert self._timeout is not None
-        if self._on_timeout is not None:
-            self._on_timeout()
+        timeout = self._recovery.timed_out()
         process.retire()  # no more chunks for it; its end is not a crash
         head = queue.popleft()
         self._assigned.pop(process.id, None)
         self._give_up(head, DecodeTimeoutError(
             f"decoding samples {short_list(head.chunk.indices)} took longer than "
-            f"decode_timeout={self._timeout:g} s in {process}; the process was killed"
-        ), f"decode took longer than decode_timeout={self._timeout:g} s")
+            f"decode_timeout={timeout:g} s in {process}; the process was killed"
+        ), f"decode took longer than decode_timeout={timeout:g} s")
         for job in queue:
             self._wait(job)
         self._tasks.start(self._replace(process))

@@ -28,7 +28,7 @@ from . import transport
 from .blocking import off_loop
 from .channel import dumps
 from .decode import DecodeSpec, run_chunk
-from .decoders import short_list
+from .decoders import Recovery, short_list
 from .messages import Chunk, ChunkResult
 from .tasks import TaskSet
 
@@ -172,18 +172,10 @@ class RemoteDecoder:
     def __init__(
         self,
         backend: Backend,
-        decode_timeout: float | None,
-        max_restarts: int,
-        skip_errors: bool,
-        on_restart: Callable[[str], None],
-        on_timeout: Callable[[], None] | None = None,
+        recovery: Recovery,
     ) -> None:
         self._backend = backend
-        self._timeout = decode_timeout
-        self._max_restarts = max_restarts
-        self._skip_errors = skip_errors
-        self._on_restart = on_restart
-        self._on_timeout = on_timeout
+        self._recovery = recovery
         self._ids = itertools.count()
         self._running: dict[int, RemoteTask] = {}
         """Chunks out, and those whose worker is being freed."""
@@ -236,12 +228,12 @@ class RemoteDecoder:
         loop (a round trip to a scheduler), for the watchdog and the deadline's error."""
         running = asyncio.ensure_future(self._backend.run(task))
         try:
-            wait = self._timeout if self._timeout is not None else LOCATE_SECONDS
+            timeout = self._recovery.decode_timeout
+            wait = timeout if timeout is not None else LOCATE_SECONDS
             done, _ = await asyncio.wait({running}, timeout=min(wait, LOCATE_SECONDS))
             if not done:
                 await off_loop(self._backend.locate, [task])
-                left = None if self._timeout is None else max(
-                    0.0, self._timeout - (now() - task.started))
+                left = None if timeout is None else max(0.0, timeout - (now() - task.started))
                 done, _ = await asyncio.wait({running}, timeout=left)
         except asyncio.CancelledError:
             running.cancel()
@@ -266,32 +258,30 @@ class RemoteDecoder:
         (it killed two). Past the pass's budget the pass fails."""
         self.restarts += 1
         where = f" on {task.where}" if task.where else ""
-        if self.restarts > self._max_restarts:
+        if self.restarts > self._recovery.max_restarts:
             self._failure = WorkerDiedError(
                 f"a worker{where} ended abruptly ({cause}) while decoding samples "
-                f"{short_list(task.chunk.indices)}, after {self._max_restarts} restarts in this "
-                "pass (max_worker_restarts); the OOM killer or a crash in native code are the "
-                "usual causes"
+                f"{short_list(task.chunk.indices)}, after {self._recovery.max_restarts} restarts "
+                "in this pass (max_worker_restarts); the OOM killer or a crash in native code are "
+                "the usual causes"
             )
             raise self._failure
         if deaths < 2:
-            self._on_restart(f"a worker{where} ended abruptly ({cause}); its chunk was sent "
-                             "again")
+            self._recovery.on_restart(f"a worker{where} ended abruptly ({cause}); its chunk was "
+                                      "sent again")
         return deaths >= 2
 
     def _timed_out(self, task: RemoteTask) -> ChunkResult:
-        assert self._timeout is not None
-        if self._on_timeout is not None:
-            self._on_timeout()
+        timeout = self._recovery.timed_out()
         where = task.where.removesuffix(", being freed") or "the executor"
         return self._give_up(task.chunk, DecodeTimeoutError(
             f"decoding samples {short_list(task.chunk.indices)} took longer than "
-            f"decode_timeout={self._timeout:g} s on {where}; {self._backend.on_deadline}"
-        ), f"decode took longer than decode_timeout={self._timeout:g} s")
+            f"decode_timeout={timeout:g} s on {where}; {self._backend.on_deadline}"
+        ), f"decode took longer than decode_timeout={timeout:g} s")
 
     def _give_up(self, chunk: Chunk, error: Exception, reason: str) -> ChunkResult:
         """A chunk that will not be decoded: all its samples skipped, or its error."""
-        if not self._skip_errors:
+        if not self._recovery.skip_errors:
             raise error
         return ChunkResult([], [(n, reason) for n in range(len(chunk.indices))])
 
