@@ -131,6 +131,16 @@ class Snapshot:
 HELPERS = ("forkserver", "resource_tracker", "aioloader._runtime.zygote_main")
 
 
+def ended(process: psutil.Process | int) -> bool:
+    """Whether the process exited (a zombie counts: its parent reaps it later), asked in one
+    step: one that ends between two questions is not an error."""
+    try:
+        process = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def _ours(process: psutil.Process) -> bool:
     """Helpers that live as long as the interpreter (Python's forkserver and resource tracker,
     aioloader's zygote: our direct children) are not a test's; the decode processes the zygote

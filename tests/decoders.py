@@ -64,6 +64,20 @@ def mark_worker(folder: str, worker_id: int) -> None:
     Path(folder, f"worker-{worker_id}").write_text(str(os.getpid()))
 
 
+def start_late(worker_id: int) -> None:
+    """worker_init: worker 1 is ready a while after worker 0."""
+    if worker_id == 1:
+        time.sleep(0.2)
+
+
+def slow_worker_id(raw: bytes) -> int:
+    """Which worker decoded the sample, slowly: a part of 4 samples outlasts `start_late`."""
+    time.sleep(0.25)
+    info = aioloader.get_worker_info()
+    assert info is not None
+    return info.id
+
+
 def as_array(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, np.uint8).copy()
 

@@ -24,6 +24,8 @@ from decoders import (
     index_and_noise,
     index_of,
     mark_worker,
+    slow_worker_id,
+    start_late,
     whoami,
 )
 
@@ -164,6 +166,20 @@ def test_a_passs_first_batch_is_decoded_by_every_process_at_once(
     assert [indices for indices, _ in batches] == [b.tolist() for b in inline]
     assert batches[0][1] == {0, 1}
     assert all(len(workers) == 1 for _, workers in batches[1:])
+
+
+@pytest.mark.parametrize("service", ["process", None])
+def test_a_fresh_loaders_first_batch_waits_for_a_process_still_starting(
+    local_paths: list[str], service: str | None
+) -> None:
+    """A part of the first batch goes to a process still starting rather than queueing
+    behind the other part in the one process already up: every process decodes at once."""
+    loader = aioloader.Loader(aioloader.Files(local_paths[:8]), decode=slow_worker_id,
+                              batch_size=8, num_workers=2, worker_init=start_late,
+                              service=service)
+    with loader:
+        first = next(iter(loader))
+    assert set(first.tolist()) == {0, 1}
 
 
 def test_worker_init_runs_once_in_each_worker(urls: list[str], tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ import aioloader
 from aioloader._runtime import shm
 from aioloader.testing import TestServer
 
+from conftest import ended
 from decoders import (
     SAMPLE_COUNT,
     die_on_five,
@@ -183,7 +184,7 @@ def test_sigkill_of_the_main_process_leaves_no_process_and_no_shared_memory(
         parent.wait(10)
 
         def all_gone() -> bool:
-            alive = [p for p in family if p.is_running() and p.status() != "zombie"]
+            alive = [p for p in family if not ended(p)]
             left = [n for n in os.listdir(shm.SHM_DIR)
                     if n.startswith(shm.prefix(pid)) or f"-cache-{name}-" in n]
             return not alive and not left
@@ -207,8 +208,7 @@ def test_decode_timeout_names_the_samples_and_kills_the_stuck_process(
     message = str(caught.value)
     assert "samples [4, 5, 6, 7]" in message and "decode_timeout=1" in message
     pid = int(re.search(r"pid (\d+)", message).group(1))  # type: ignore[union-attr]
-    assert wait_until(lambda: not psutil.pid_exists(pid) or
-                      psutil.Process(pid).status() == "zombie", 10)
+    assert wait_until(lambda: ended(pid), 10)
 
 
 def test_decode_timeout_with_skip_drops_only_the_stuck_batch(local_paths: list[str]) -> None:

@@ -26,6 +26,7 @@ from test_tarshards import write_shards
 import aioloader
 from aioloader._runtime import shm
 
+from conftest import ended
 from decoders import (
     big_image,
     die_on_five,
@@ -281,7 +282,7 @@ def wait_until_gone(family: list[psutil.Process], prefixes: list[str]) -> None:
     `prefixes` is left, within 10 s."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        alive = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in family if not ended(p)]
         left = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(tuple(prefixes))]
         if not alive and not left:
             return

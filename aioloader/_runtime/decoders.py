@@ -204,11 +204,15 @@ class PoolDecoder:
         return await job.future
 
     def _dispatch(self) -> None:
-        ready = [p for p in self._pool.processes if p.ready and p.alive and not p.retired]
-        while self._waiting and ready:
-            process = min(ready, key=lambda p: len(self._assigned.setdefault(p.id, deque())))
+        """Send waiting chunks to the least busy processes. A process still starting counts
+        as a candidate that is not ready yet: a chunk waits for it rather than queueing behind
+        a busy one, so the first chunks (a divided first batch) go to every process at once."""
+        live = [p for p in self._pool.processes if p.alive and not p.retired]
+        while self._waiting and live:
+            process = min(live, key=lambda p: (len(self._assigned.setdefault(p.id, deque())),
+                                                not p.ready))
             queue = self._assigned[process.id]
-            if len(queue) >= PER_PROCESS:
+            if len(queue) >= PER_PROCESS or not process.ready:
                 return
             job = heapq.heappop(self._waiting)[3]
             if job.future.done():
