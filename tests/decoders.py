@@ -184,3 +184,9 @@ def blocked_on_five_and_nine(raw: bytes) -> int:
     if index in (5, 9):
         RELEASE.wait(60)
     return index
+
+
+def slow_big_image(raw: bytes) -> np.ndarray:
+    """`big_image`, 10 ms each: chunks wait for the decode process."""
+    time.sleep(0.01)
+    return big_image(raw)

@@ -111,6 +111,9 @@ class FakeDecoder:
     """Decodes chunk c into the batch ("batch", c) once its gate (if any) is open, or raises
     `failures[c]`; counts the chunks it decodes at once and what it is told."""
 
+    shared = False
+    lends_late = False
+
     def __init__(self) -> None:
         self.gates: dict[int, asyncio.Event] = {}
         self.failures: dict[int, BaseException] = {}

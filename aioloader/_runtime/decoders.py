@@ -54,6 +54,9 @@ class Decoder(Protocol):
     shared: bool
     """Its processes serve other passes too: closing the pass stops none of them, so a block
     lent to one of its chunks may still be written afterwards."""
+    lends_late: bool
+    """It calls a chunk's `on_send` as the chunk goes to a process: the pass lends the block
+    then. Otherwise the block is lent before the chunk is given to the decoder."""
 
     async def decode(self, chunk: Chunk) -> ChunkResult: ...
 
@@ -74,6 +77,7 @@ class _HoldsNothing:
     """A decoder with no processes of its own: nothing to watch or to release."""
 
     shared = False
+    lends_late = False
 
     def in_flight(self) -> list[tuple[float, str]]:
         return []
@@ -137,6 +141,7 @@ class PoolDecoder:
     """
 
     shared = False
+    lends_late = True
 
     def __init__(
         self,
@@ -220,6 +225,8 @@ class PoolDecoder:
             if not queue:
                 job.started = now()
             queue.append(job)
+            if job.chunk.on_send is not None:
+                job.chunk.on_send(job.chunk)
             process.send(Task(job.id, job.chunk))
 
     def _on_message(self, process: DecodeProcess, message: object) -> None:
@@ -403,6 +410,7 @@ class SharedDecoder:
 
     def __init__(self, decoder: Decoder) -> None:
         self._decoder = decoder
+        self.lends_late = decoder.lends_late
         self._chunks: set[int] = set()
 
     async def decode(self, chunk: Chunk) -> ChunkResult:

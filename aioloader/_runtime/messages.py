@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, cast
 
@@ -41,10 +42,16 @@ class Chunk:
     """A shared-memory block to hand the result back in, when the main process has one."""
     step: int = 0
     """The pass's step it starts: a decode pool serving several passes runs the earliest first."""
+    on_send: Callable[[Chunk], None] | None = field(default=None, repr=False, compare=False)
+    """Called as the chunk goes to a decode process, and not sent with it: the pass lends the
+    chunk its block then, not while the chunk waits for a process, so that blocks freed
+    meanwhile are used again rather than new ones made (each new block's pages are zeroed)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for a decode process: tensor views travel as their own elements."""
-        return {**vars(self), "raws": own_elements(self.raws)}
+        state = {**vars(self), "raws": own_elements(self.raws)}
+        state.pop("on_send", None)
+        return state
 
 
 @dataclass

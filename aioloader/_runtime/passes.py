@@ -410,22 +410,29 @@ class Pass:
         """Decode the samples of `pending` at `positions`; the result and the bytes it holds.
         `here`: the result is a part, to be joined in this process, in a block of its own
         (sized for a part, it is removed once joined, never lent again)."""
-        slot = self._blocks.lease(once=here) if self._blocks is not None else None
-        if slot is not None:
-            self._lent.add(slot.name)
+        def lend(chunk: Chunk) -> None:
+            if chunk.slot is None and self._blocks is not None:  # once, if sent again
+                chunk.slot = self._blocks.lease(once=here)
+                if chunk.slot is not None:
+                    self._lent.add(chunk.slot.name)
+
         chunk = Chunk(self.config.epoch, [pending.indices[n] for n in positions],
-                      [pending.raws[n] for n in positions], slot, pending.first_step)
+                      [pending.raws[n] for n in positions], None, pending.first_step)
+        if self._decoder.lends_late:
+            chunk.on_send = lend
+        else:
+            lend(chunk)
         try:
             result = await self._decoder.decode(chunk)
         except asyncio.CancelledError:
             raise
         except BaseException:
-            if slot is not None and self._blocks is not None:
-                self._lent.discard(slot.name)
-                self._blocks.retire_later(slot.name)  # its process may have been mid-write
+            if chunk.slot is not None and self._blocks is not None:
+                self._lent.discard(chunk.slot.name)
+                self._blocks.retire_later(chunk.slot.name)  # its process may have been mid-write
             raise
         self._record(result)
-        return result, self._receive(result, slot, here)
+        return result, self._receive(result, chunk.slot, here)
 
     async def _decode_divided(self, pending: Pending, kept: list[int], parts: int
                               ) -> tuple[ChunkResult, int]:

@@ -168,6 +168,7 @@ class RemoteDecoder:
     for ever."""
 
     shared = False
+    lends_late = False
 
     def __init__(
         self,
