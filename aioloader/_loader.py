@@ -516,6 +516,7 @@ class Loader(Closing, AsyncClosing):
             decode_window=self._decode_window(),
             stall_timeout=self.config.stall_timeout,
             first_chunk_parts=self._first_chunk_parts(),
+            start_chunks=max(self.num_workers, 1) + 1,
         )
 
     def _first_chunk_parts(self) -> int:

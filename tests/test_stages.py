@@ -170,12 +170,13 @@ def make_pass(
     decode_window: int = 8,
     stall_timeout: float = 600.0,
     storage: FakeStorage | None = None,
+    start_chunks: int = 8,
 ) -> Pass:
     """A pass as the loader's `_build_pass` makes one, over the fakes."""
     config = PassConfig(
         epoch=0, batch_size=BATCH, steps_per_chunk=1, ordered=ordered, skip_errors=False,
         memory_limit=memory_limit, read_ahead=1000, decode_window=decode_window,
-        stall_timeout=stall_timeout,
+        stall_timeout=stall_timeout, start_chunks=start_chunks,
     )
     return Pass(config, source, decoder, None, LoaderStats(),
                 storage or FakeStorage(),  # type: ignore[arg-type]
@@ -366,23 +367,24 @@ async def test_reading_ahead_goes_on_once_the_first_chunk_is_in_not_once_it_is_d
         await asyncio.wait_for(running.aclose(), WAIT)
 
 
-async def test_until_the_first_chunk_is_decoded_reads_go_a_decode_window_ahead() -> None:
-    """Reading far ahead at the start would take the cores from the first batches' decode."""
+async def test_until_the_first_chunk_is_decoded_reads_go_only_start_chunks_ahead() -> None:
+    """Reading far ahead at the start would take the cores from the first batch's decode:
+    the first chunk, and one for each decode process to go on with, are read."""
     source, decoder = FakeSource(20), FakeDecoder()
     for c in range(20):
         decoder.gates[c] = asyncio.Event()
-    running = make_pass(source, decoder, decode_window=4)  # read_ahead: 1000 samples
+    running = make_pass(source, decoder, decode_window=8, start_chunks=3)  # read_ahead: 1000
     await running.start()
     try:
         await asyncio.wait_for(source.blocked.wait(), WAIT)
         await settle()
-        assert source.read == 4  # chunks: the window
+        assert source.read == 3  # chunks: start_chunks, though the window holds 8
         decoder.gates[0].set()
         await until(lambda: source.read == 20)  # then as far as read_ahead allows
         for gate in decoder.gates.values():
             gate.set()
         assert len(await take(running, 20)) == 20
-        assert source.blocked_at == [4]
+        assert source.blocked_at == [3]
     finally:
         await asyncio.wait_for(running.aclose(), WAIT)
 

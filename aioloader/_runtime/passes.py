@@ -57,6 +57,9 @@ class PassConfig:
     first_chunk_parts: int = 1
     """Decode processes the pass's first chunk is divided among (its batch comes that many
     times sooner); 1: not divided (a collate of the user's own cannot be joined)."""
+    start_chunks: int = 2
+    """Chunks read ahead until the first is decoded: the first, and one for each decode
+    process to go on with."""
 
 
 class Source(Protocol):
@@ -234,13 +237,13 @@ class Pass:
             self._committed() < config.memory_limit and self._ahead < self._read_ahead())
 
     def _read_ahead(self) -> int:
-        """Samples read ahead, at most: until the first chunk is decoded, a decode window's
-        worth (every process busy, one queued each), so that reading far ahead does not take
-        the cores from the first batches; then `read_ahead`."""
+        """Samples read ahead, at most: until the first chunk is decoded, `start_chunks`
+        worth, so that reads (theirs and a local server's CPU) do not take the cores from the
+        first batch's decode; then `read_ahead`."""
         if self._decoded_any:
             return self.config.read_ahead
         chunk = self.config.steps_per_chunk * self._samples_per_step
-        return min(self.config.read_ahead, self.config.decode_window * chunk)
+        return min(self.config.read_ahead, self.config.start_chunks * chunk)
 
     async def room(self) -> None:
         while not self.has_room():
