@@ -473,7 +473,8 @@ class Loader(Closing, AsyncClosing):
 
     def _shard_info(self, epoch: int, remaining: Intervals | None = None) -> ShardInfo:
         return ShardInfo(self.rank, self.world_size, epoch, self.config.seed, self.config.shuffle,
-                         self.config.drop_last, remaining, self.memory_limit // 2)
+                         self.config.drop_last, remaining, self.memory_limit // 2,
+                         (self.batch_size or 1) * self._steps_per_chunk())
 
     def _steps_per_chunk(self) -> int:
         return 1 if self.batch_size else UNBATCHED_CHUNK

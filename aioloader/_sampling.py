@@ -131,6 +131,9 @@ class ShardInfo:
     that no rank has taken yet (None: all of them)."""
     read_bytes: int | None = None
     """What a stream may hold in reads ahead of the consumer, in bytes (None: no bound)."""
+    first_items: int = 0
+    """Items the pass's first batch takes from this rank (0: not known). A stream that reads
+    in large pieces may read these apart, first, so the first batch waits for them only."""
 
 
 _shard_info: contextvars.ContextVar[ShardInfo | None] = contextvars.ContextVar(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import warnings
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,10 @@ class IndexedStream(Stream):
     unit_sizes: Indices
     window: int
     pieces_ahead: int
+    first_apart = False
+    """Whether the first batch's samples are read apart, each its own range, before the rest of
+    the first piece: worth it where a sample is a range of bytes (a tar member), not where
+    any read takes a whole unit (a Parquet row group)."""
 
     @abc.abstractmethod
     async def read_samples(
@@ -101,6 +106,8 @@ class IndexedStream(Stream):
             windows = min(windows, budget // max(1, sequence.window * self._sample_bytes()))
         pieces = _pieces(self.division(info).positions(position),
                          sequence.window * max(1, windows))
+        early = info.first_items if self.first_apart and pieces and (
+            0 < info.first_items < pieces[0][1] - pieces[0][0]) else 0
         memo: dict[Any, Any] = {}
         warned = False
         async with storage.borrowed() as reads:
@@ -122,9 +129,36 @@ class IndexedStream(Stream):
                         RuntimeWarning, stacklevel=2)
                 return (lambda: self._read_piece(reads, sequence, ids, units, memo)), weight
 
-            async for ids, items in ordered_ahead(
-                (job(s, e) for s, e in pieces), self.pieces_ahead, budget
-            ):
+            def jobs() -> Iterator[tuple[Any, int]]:
+                """The pieces' reads; with `early`, the first batch's samples of the first
+                piece come first, read apart, and the pieces' reads start once they are in
+                (else they share the link and the server with them); the first piece gives
+                the others."""
+                if not early:
+                    yield from (job(s, e) for s, e in pieces)
+                    return
+                start = pieces[0][0]
+                ids = sequence.ids(start, start + early)
+                first_in = asyncio.Event()
+
+                async def read_early() -> tuple[Indices, list[Any]]:
+                    try:
+                        return await self._read_apart(reads, sequence, ids, memo)
+                    finally:
+                        first_in.set()
+
+                async def after_early(read: Any, skip: int) -> tuple[Indices, list[Any]]:
+                    await first_in.wait()
+                    ids, items = await read()
+                    return ids[skip:], items[skip:]
+
+                yield read_early, job(start, start + early)[1]
+                for n, (s, e) in enumerate(pieces):
+                    read, weight = job(s, e)
+                    yield functools.partial(after_early, read, early if n == 0 else 0), weight
+
+            async for ids, items in ordered_ahead(jobs(), self.pieces_ahead + bool(early),
+                                                  budget):
                 for pair in zip(ids.tolist(), items, strict=True):
                     yield pair
 
@@ -156,6 +190,38 @@ class IndexedStream(Stream):
 
         await asyncio.gather(*(read_unit(unit) for unit in np.unique(units).tolist()))
         return ids, items
+
+    async def _read_apart(
+        self, reads: storage.Storage, sequence: SampleSequence, ids: Indices,
+        memo: dict[Any, Any],
+    ) -> tuple[Indices, list[Any]]:
+        """Samples `ids` in sequence order, one read for each run of neighbours."""
+        units = sequence.unit_of(ids)
+        local = ids - sequence.offsets[units]
+        items: list[Any] = [None] * len(ids)
+
+        async def read_run(slots: list[int]) -> None:
+            unit, first = int(units[slots[0]]), int(local[slots[0]])
+            read = await self.read_samples(reads, unit, first, first + len(slots), memo)
+            for slot, item in zip(slots, read, strict=True):
+                items[slot] = item
+
+        await asyncio.gather(*(read_run(run) for run in _runs(units, local)))
+        return ids, items
+
+
+def _runs(units: Indices, local: Indices) -> list[list[int]]:
+    """The places of `local` (samples of `units`) grouped into runs of neighbouring samples of
+    one unit, each run in storage order."""
+    order = sorted(range(len(local)), key=lambda n: (int(units[n]), int(local[n])))
+    runs: list[list[int]] = []
+    for n in order:
+        last = runs[-1][-1] if runs else None
+        if last is not None and units[last] == units[n] and local[last] + 1 == local[n]:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return runs
 
 
 def _pieces(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:

@@ -74,6 +74,8 @@ class TarShards(IndexedStream):
         if not self.unit_sizes.sum():
             raise ValueError(f"the tar shards hold no samples: {self.urls[:3]}...")
 
+    first_apart = True
+
     def read_weight(self, unit: int, count: int) -> int:
         starts = self.starts[unit]
         return (starts[-1] - starts[0]) * count // max(1, len(starts) - 1)
