@@ -75,7 +75,7 @@ CAVEATS = """\
   - aioloader forks its decode processes from a helper it starts once per interpreter (about
     0.3 s, counted in epoch 1); DataLoader workers fork from the warm parent
   - shuffling differs: full permutations (per-object, RecordIO), shard order + 1000 samples
-    (aioloader tar: windows of 1000 consecutive samples, each read whole before it gives any;
+    (aioloader tar: windows of 1000 consecutive samples, read whole, the first batch's apart first;
     WebDataset: a buffer per worker, giving samples once it holds 100), chunk-wise (LitData),
     block-wise (Mosaic); WebDataset gives each worker whole
     shards, so a few shards make its epoch end lopsided"""
