@@ -12,7 +12,6 @@ import contextlib
 import errno
 import mmap
 import os
-import secrets
 import stat
 import sys
 
@@ -50,7 +49,7 @@ def prefix(pid: int | None = None) -> str:
 
 def new_name(kind: str) -> str:
     """A fresh, unguessable name for a segment of this process."""
-    return f"{prefix()}{kind}-{secrets.token_hex(6)}"
+    return f"{prefix()}{kind}-{os.urandom(6).hex()}"  # secrets' token_hex, without its 7 ms import
 
 
 def free_bytes() -> int:
