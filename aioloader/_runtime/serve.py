@@ -3,6 +3,7 @@ settings, then decode chunks until told to stop or until the main process is gon
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pickle
 import random
@@ -17,6 +18,28 @@ from .channel import Channel, dumps_data
 from .decode import DecodeSpec, WorkerInfo, one_line, respond, set_worker_info
 from .messages import STOP, Done, Imported, Init, InitFailed, Ready
 from .preload import installed_packages
+
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 64 << 20
+"""glibc malloc's thresholds in a decode process: where its own dynamic rule ends up in a long
+run (the largest mmap threshold it moves to, and twice that for trimming)."""
+_USER_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def steady_allocator() -> None:
+    """Start a decode process with glibc's malloc thresholds where a long run leaves them. A
+    fresh process starts at 128 KiB: each decoded image's buffers are mapped and unmapped, and
+    the heap is trimmed after every batch, about 330 page faults per 500x375 JPEG for the first
+    few hundred images (1.3-2 ms of CPU each on 2 cores here). The user's own settings win;
+    other C libraries are left alone."""
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in _USER_SETTINGS):
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+    mallopt(-1, TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
 
 
 def _start(init: Init) -> DecodeSpec:
@@ -40,6 +63,7 @@ def serve(descriptor: int) -> int:
     """A decode process's life: start as told, then decode chunks until told to stop or until
     the main process is gone (end of the channel)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    steady_allocator()
     channel = Channel(socket.socket(fileno=descriptor))
     preloaded = set(sys.modules)
     reported = False
