@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import aioloader
+from aioloader._datasets.indexed import _runs
 from aioloader._datasets.tarshards import expand_braces
 from aioloader._tar import TarFormatError, samples, tar_members
 from aioloader.testing import Nginx, TestServer
@@ -199,6 +201,50 @@ def test_a_pass_reads_its_first_batch_apart_and_gives_the_same_order(
     assert whole_requests == 2  # the first piece: one read in each shard
     # and the first batch's 4 samples, a read for each run of neighbours
     assert (2 < requests <= 6) if shuffle else requests == 3
+
+
+def test_runs_group_neighbouring_samples_of_one_shard_in_storage_order() -> None:
+    units = np.array([1, 0, 1, 1, 0, 2])
+    local = np.array([5, 3, 4, 9, 4, 4])
+    assert _runs(units, local) == [[1, 4], [2, 0], [3], [5]]
+
+
+@pytest.mark.parametrize("break_at", [1, 3, 7])
+def test_a_pass_resumed_inside_its_first_piece_gives_the_rest_in_order(
+    tmp_path: Path, break_at: int
+) -> None:
+    """A resumed pass reads its first batch apart too, from where it stands in the window."""
+    write_shards(tmp_path, shards=2, per_shard=20)
+    pattern = str(tmp_path / "shard-{000..001}.tar")
+
+    def make(shards: aioloader.TarShards) -> aioloader.Loader:
+        return aioloader.Loader(shards, decode=label, batch_size=4, shuffle=True, seed=5,
+                                num_workers=0)
+
+    whole = labels_of(make(WholeFirstPiece(pattern, shuffle_buffer=40)))
+    first = make(aioloader.TarShards(pattern, shuffle_buffer=40))
+    taken = []
+    for batch in first:
+        taken += [int(x) for x in batch]
+        if len(taken) == 4 * break_at:
+            break
+    state = first.state_dict()
+    second = make(aioloader.TarShards(pattern, shuffle_buffer=40))
+    second.load_state_dict(state)
+    assert taken + labels_of(second) == whole
+
+
+def test_a_first_batch_read_apart_that_fails_names_the_shard(tmp_path: Path) -> None:
+    """A shard cut short after it was indexed: the early reads fail with the shard's name,
+    and the pieces waiting on them do not hang."""
+    write_shards(tmp_path, shards=2, per_shard=20)
+    shards = aioloader.TarShards(str(tmp_path / "shard-{000..001}.tar"), shuffle_buffer=40)
+    for name in ("shard-000.tar", "shard-001.tar"):
+        path = tmp_path / name
+        path.write_bytes(path.read_bytes()[:2048])
+    loader = aioloader.Loader(shards, decode=label, batch_size=4, shuffle=True, num_workers=0)
+    with pytest.raises(aioloader.LoaderError, match=r"shard-00[01]\.tar"):
+        labels_of(loader)
 
 
 def test_fetch_errors_in_a_stream_name_the_shard(server: TestServer) -> None:

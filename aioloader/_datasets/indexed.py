@@ -157,8 +157,7 @@ class IndexedStream(Stream):
                     read, weight = job(s, e)
                     yield functools.partial(after_early, read, early if n == 0 else 0), weight
 
-            async for ids, items in ordered_ahead(jobs(), self.pieces_ahead + bool(early),
-                                                  budget):
+            async for ids, items in ordered_ahead(jobs(), self.pieces_ahead, budget):
                 for pair in zip(ids.tolist(), items, strict=True):
                     yield pair
 

@@ -165,6 +165,7 @@ class PoolDecoder:
         self.on_ignored: Callable[[Chunk], None] | None = None
         """Told of each chunk whose result came after its pass gave up on it."""
         self._let_go = False
+        self._decoded_any = False
         self._starting = self._loop.create_task(self._start(), name="aioloader-pool-start")
 
     async def _start(self) -> None:
@@ -209,10 +210,13 @@ class PoolDecoder:
         return await job.future
 
     def _dispatch(self) -> None:
-        """Send waiting chunks to the least busy processes. A process still starting counts
-        as a candidate that is not ready yet: a chunk waits for it rather than queueing behind
-        a busy one, so the first chunks (a divided first batch) go to every process at once."""
-        live = [p for p in self._pool.processes if p.alive and not p.retired]
+        """Send waiting chunks to the least busy processes. Until the pass's first chunk is
+        decoded, a process still starting counts as a candidate that is not ready yet: a chunk
+        waits for it rather than queueing behind a busy one, so the first chunks (a divided
+        first batch) go to every process at once. Later (a process replaced after a crash),
+        the ready ones keep two chunks each."""
+        live = [p for p in self._pool.processes
+                if p.alive and not p.retired and (p.ready or not self._decoded_any)]
         while self._waiting and live:
             process = min(live, key=lambda p: (len(self._assigned.setdefault(p.id, deque())),
                                                 not p.ready))
@@ -235,6 +239,7 @@ class PoolDecoder:
         if self._pool.closed:
             return
         if isinstance(message, Done):
+            self._decoded_any = True
             queue = self._assigned[process.id]
             job = next((j for j in queue if j.id == message.id), None)
             if job is not None:

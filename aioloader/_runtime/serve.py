@@ -30,8 +30,10 @@ def steady_allocator() -> None:
     """Start a decode process with glibc's malloc thresholds where a long run leaves them. A
     fresh process starts at 128 KiB: each decoded image's buffers are mapped and unmapped, and
     the heap is trimmed after every batch, about 330 page faults per 500x375 JPEG for the first
-    few hundred images (1.3-2 ms of CPU each on 2 cores here). The user's own settings win;
-    other C libraries are left alone."""
+    few hundred images (1.3-2 ms of CPU each on 2 cores here). Left alone where the user set
+    MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or any GLIBC_TUNABLES, and under other C
+    libraries. The environment read is the zygote's, which glibc read when it started (the
+    trainer's, as it was then), not the one a pass's Init brings."""
     if not sys.platform.startswith("linux") or any(name in os.environ for name in _USER_SETTINGS):
         return
     try:
