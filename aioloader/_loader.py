@@ -517,9 +517,7 @@ class Loader(Closing, AsyncClosing):
             decode_window=self._decode_window(),
             stall_timeout=self.config.stall_timeout,
             first_chunk_parts=self._first_chunk_parts(),
-            # remote decoding takes no local cores from the first batch: read as usual
-            start_chunks=(max(self.num_workers, 1) + 1 if self.executor is None
-                          else self._decode_window()),
+            start_chunks=max(self.num_workers, 1) + 1,
         )
 
     def _first_chunk_parts(self) -> int:
