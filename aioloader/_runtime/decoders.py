@@ -210,11 +210,12 @@ class PoolDecoder:
         return await job.future
 
     def _dispatch(self) -> None:
-        """Send waiting chunks to the least busy processes. Until the pass's first chunk is
-        decoded, a process still starting counts as a candidate that is not ready yet: a chunk
-        waits for it rather than queueing behind a busy one, so the first chunks (a divided
-        first batch) go to every process at once. Later (a process replaced after a crash),
-        the ready ones keep two chunks each."""
+        """Send waiting chunks to the least busy processes. Until the first chunk this decoder
+        sends comes back (a pass's first, as each pass has its own; a node's service shares
+        one among its ranks), a process still starting counts as a candidate that is not
+        ready yet: a chunk waits for it rather than queueing behind a busy one, so the first
+        chunks (a divided first batch) go to every process at once. Later (a process replaced
+        after a crash), the ready ones keep two chunks each."""
         live = [p for p in self._pool.processes
                 if p.alive and not p.retired and (p.ready or not self._decoded_any)]
         while self._waiting and live:
