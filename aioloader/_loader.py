@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 import warnings
-import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from concurrent.futures import Executor
@@ -38,7 +38,7 @@ from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
 from ._loopthread import LoopThread
-from ._runtime import autotune, node, shm
+from ._runtime import autotune, node, reaper, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
 from ._runtime.decode import DecodeSpec
@@ -48,7 +48,7 @@ from ._runtime.passes import END, Pass, PassConfig
 from ._runtime.pool import DecodePool
 from ._runtime.preload import packages_behind
 from ._runtime.remote import BackendHolder, RemoteDecoder
-from ._runtime.service_client import ServiceClient, load_stats
+from ._runtime.service_client import EXTRA_SECONDS, ServiceClient, load_stats
 from ._runtime.sources import PlannedSource, StreamSource
 from ._runtime.transport import BlockPool
 from ._runtime.zygote import Zygote
@@ -296,6 +296,9 @@ class Loader(Closing, AsyncClosing):
         self._opening = False
         self._serving = False
         """A pass runs in the loader service."""
+        self._dropped = False
+        """The running pass's iterator was dropped; its release is on the way (a finalizer
+        handed it over), and the next pass waits for it."""
         self._holder = _PoolHolder()
         self._blocks: BlockPool | None = None
         if share is not None:
@@ -306,9 +309,9 @@ class Loader(Closing, AsyncClosing):
                 max_blocks=self._blocks_per_pass(),
                 max_bytes=config.memory_limit, export=export,
             )
-        self._finalizer = weakref.finalize(self, _shut_down, self._holder,
-                                           None if share else self._blocks, self._service,
-                                           self._backend)
+        self._finalizer = reaper.Shutdown(self, functools.partial(
+            _shut_down, self._holder, None if share else self._blocks, self._service,
+            self._backend))
 
     # -- settings (read-only: `config` holds them all) ---------------------------------------
 
@@ -529,6 +532,9 @@ class Loader(Closing, AsyncClosing):
 
     async def _open_pass(self) -> Pass:
         self._holder.check_process()
+        dropped = self._pass
+        if self._dropped and dropped is not None and self._pass_loop is asyncio.get_running_loop():
+            self._abandon_pass(dropped)  # its release, queued on this loop, has not run yet
         with self._lock:
             if self._closed:
                 raise LoaderError("this Loader is closed; build a new one")
@@ -551,6 +557,10 @@ class Loader(Closing, AsyncClosing):
         return running
 
     def _refuse_a_second_pass(self) -> None:
+        """Called holding the lock. A pass whose iterator was dropped is given a bounded wait
+        for its release, which a finalizer handed to the reaper or the pass's loop."""
+        if self._dropped:
+            self._pass_ended.wait_for(lambda: not self._dropped, CLOSE_WAIT_SECONDS)
         if self._pass is not None or self._opening or self._serving:
             raise LoaderError(
                 "a pass over this Loader is already running (in another thread or task); "
@@ -663,6 +673,7 @@ class Loader(Closing, AsyncClosing):
             else:
                 self._position = running.position
             self._pass = self._pass_loop = None
+            self._dropped = False
             self._pass_ended.notify_all()
 
     async def _close_pass(self, running: Pass) -> None:
@@ -672,8 +683,10 @@ class Loader(Closing, AsyncClosing):
             self._pass_over(running)
 
     def _abandon_pass(self, running: Pass) -> None:
-        running.abandon()
-        self._pass_over(running)
+        try:
+            running.abandon()
+        finally:
+            self._pass_over(running)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         if self.config.service is not None:
@@ -686,15 +699,18 @@ class Loader(Closing, AsyncClosing):
         return self._iter_here()
 
     def _iter_here(self) -> Iterator[Any]:
-        loop = LoopThread()
+        loop, bound = LoopThread(), self.config.stall_timeout + EXTRA_SECONDS
         try:
-            running = loop.call(self._open_pass())
+            running = loop.call(self._open_pass(), bound, "new pass")
             try:
-                while (item := loop.call(running.next())) is not END:
+                while (item := loop.call(running.next(), bound, "batch")) is not END:
                     yield item
-            finally:
+            except BaseException:  # a failure, a `break`: that is what the caller sees
                 if loop.alive():  # not so for an iterator collected at interpreter exit
-                    loop.call(self._close_pass(running))
+                    with contextlib.suppress(LoaderError):
+                        loop.call(self._close_pass(running), bound, "end of the pass")
+                raise
+            loop.call(self._close_pass(running), bound, "end of the pass")
         finally:
             loop.stop()
 
@@ -753,7 +769,7 @@ class Loader(Closing, AsyncClosing):
                     client.stop(wait)
         finally:
             with self._lock:
-                self._serving = False
+                self._serving = self._dropped = False
                 if finished:
                     self._epoch, self._position, self._remaining = self._epoch + 1, 0, None
                 self._pass_ended.notify_all()
@@ -843,9 +859,11 @@ class _AsyncPass:
             await asyncio.shield(self._loader._close_pass(self._pass))
 
     def __del__(self) -> None:
+        """A finalizer: the release goes to the pass's loop (docs/design.md, finalizers)."""
         if self._pass is not None and not self._done:
             self._done = True
-            self._loader._abandon_pass(self._pass)
+            self._loader._dropped = True
+            reaper.on_loop(self._pass.loop, self._loader._abandon_pass, self._pass)
 
 
 class _AsyncServicePass:
@@ -893,9 +911,11 @@ class _AsyncServicePass:
             await off_loop(self._loader._service_pass_over, self._client, False)
 
     def __del__(self) -> None:
+        """A finalizer: the stop goes to the reaper's thread (docs/design.md, finalizers)."""
         if self._client is not None and not self._done:
             self._done = True
-            self._loader._service_pass_over(self._client, False, wait=False)
+            self._loader._dropped = True
+            reaper.later(self._loader._service_pass_over, self._client, False, False)
 
 
 def _open_into(loader: Loader, opened: list[ServiceClient]) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from ._errors import LoaderError
+from ._errors import LoaderError, StallError
 
 T = TypeVar("T")
 POLL_SECONDS = 0.5
@@ -41,9 +42,12 @@ class LoopThread:
             self._loop.run_until_complete(self._loop.shutdown_default_executor())
             self._loop.close()
 
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run `coroutine` on the loop; wait in short polls so a dead thread cannot hang us."""
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
+        """Run `coroutine` on the loop and wait `timeout` seconds at most for `what` it gives
+        (StallError past that: a wedged loop or a lock it waits on, never a hang); wait in
+        short polls so a dead thread cannot hang us."""
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout
         try:
             while True:
                 try:
@@ -51,6 +55,10 @@ class LoopThread:
                 except concurrent.futures.TimeoutError:
                     if not self._thread.is_alive():
                         raise LoaderError("the loader's event loop thread ended") from None
+                    if time.monotonic() >= deadline:
+                        raise StallError(
+                            f"the loader's event loop gave no {what} within {timeout:g} s"
+                        ) from None
         except BaseException:
             future.cancel()  # e.g. KeyboardInterrupt: do not leave the coroutine running
             raise

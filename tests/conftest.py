@@ -129,6 +129,8 @@ class Snapshot:
 
 
 HELPERS = ("forkserver", "resource_tracker", "aioloader._runtime.zygote_main")
+LASTING_THREAD = "aioloader-reaper"
+"""The thread finalizers hand their work to lives as long as the interpreter, as the zygote."""
 
 
 def ended(process: psutil.Process | int) -> bool:
@@ -175,7 +177,8 @@ def _unix_sockets(me: psutil.Process) -> int:
 def snapshot() -> Snapshot:
     me = psutil.Process()
     children = frozenset(p.pid for p in me.children(recursive=True) if _ours(p))
-    threads = frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
+    threads = frozenset(t.ident for t in threading.enumerate()
+                        if t.ident is not None and t.name != LASTING_THREAD)
     return Snapshot(children, threads, len(me.net_connections(kind="inet")), _unix_sockets(me))
 
 

@@ -95,7 +95,8 @@ class Pass:
         self._side_tasks = side_tasks or []
         self._owns_storage = owns_storage
         """False when the storage serves other passes too (a node's ranks): it stays open."""
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
+        """The loop the pass runs in: its tasks and storage belong to it."""
         self._handover = Handover(config.ordered)
         self._ready: list[tuple[int, int, Pending]] = []
         """Chunks whose raws are all in, by first step (a heap)."""
@@ -161,7 +162,7 @@ class Pass:
                 self._blocks.retire_later(name)
         if self._owns_storage:
             with contextlib.suppress(RuntimeError):  # the loop is gone: the session goes too
-                self._loop.create_task(self._storage.aclose())
+                self.loop.create_task(self._storage.aclose())
 
     async def aclose(self) -> None:
         if self.closed:

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._closing import ProcessBound
-from . import shm
+from . import reaper, shm
 from .shm import NoSpace
 
 __all__ = ["NoSpace"]
@@ -257,6 +257,7 @@ class BlockPool(ProcessBound):
         self._lock = threading.Lock()
         self._closed = False
         self._names = (f"{shm.new_name('batch')}-{n}" for n in itertools.count())
+        reaper.start()  # releases from finalizers may go there
 
     def lease(self, once: bool = False) -> Slot | None:
         """A block for one task, or None when all are lent out (then the result is pickled).
@@ -283,18 +284,35 @@ class BlockPool(ProcessBound):
         if self.foreign:
             return
         with self._lock:
-            if name not in self._sizes:
-                return
-            holds = self._holds.pop(name, 1) - 1
-            if holds > 0:
-                self._holds[name] = holds
-                return
-            idle_after = self.idle_bytes + self._sizes[name]
-            if (self._closed or name in self._once or self.bytes > self.max_bytes
-                    or idle_after > self._max_idle):
-                self._remove(name)
-            elif name not in self._free:
-                self._free.append(name)
+            self._release(name)
+
+    def release_soon(self, name: str) -> None:
+        """`release` from a finalizer (the last view of a block collected): in place if the
+        lock is free at once, else on the reaper's thread; the collecting thread may be the
+        one holding the lock."""
+        if self.foreign:
+            return
+        if not self._lock.acquire(blocking=False):
+            reaper.later(self.release, name)
+            return
+        try:
+            self._release(name)
+        finally:
+            self._lock.release()
+
+    def _release(self, name: str) -> None:
+        if name not in self._sizes:
+            return
+        holds = self._holds.pop(name, 1) - 1
+        if holds > 0:
+            self._holds[name] = holds
+            return
+        idle_after = self.idle_bytes + self._sizes[name]
+        if (self._closed or name in self._once or self.bytes > self.max_bytes
+                or idle_after > self._max_idle):
+            self._remove(name)
+        elif name not in self._free:
+            self._free.append(name)
 
     def retire(self, name: str) -> None:
         """Unlink a block now: too small, or lent to a process now surely stopped."""
@@ -329,9 +347,9 @@ class BlockPool(ProcessBound):
                 self.release(slot.name)
             parts = [Exported(slot.name, item) for item in items]
             for part in parts:
-                weakref.finalize(part, self.release, slot.name)
+                weakref.finalize(part, self.release_soon, slot.name)
             return parts
-        return cast(list[Any], views(block, items, lambda: self.release(slot.name)))
+        return cast(list[Any], views(block, items, lambda: self.release_soon(slot.name)))
 
     def hold(self, name: str) -> None:
         """One more hold on a block (an exported part sent to another process), dropped by

@@ -30,6 +30,8 @@ from .channel import Channel
 
 START_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
+LOCK_TIMEOUT = 2 * REPLY_TIMEOUT
+"""A request waits this long at most for the one before it (itself bounded by REPLY_TIMEOUT)."""
 
 
 class Zygote(ProcessBound):
@@ -104,24 +106,31 @@ class Zygote(ProcessBound):
 
     def _request(self, kind: str, argument: Any, fds: Sequence[int] = ()) -> Any:
         """Send a request and wait for its own reply; replies to earlier requests that timed
-        out are read and dropped on the way."""
-        with self._lock:
+        out are read and dropped on the way. The wait for the lock is bounded too: a thread
+        stuck behind another request names the request it could not send."""
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT):
+            raise LoaderError(
+                f"a {kind} request to the process that starts decode processes (pid {self.pid}) "
+                f"waited {LOCK_TIMEOUT:g} s for the requests before it"
+            )
+        try:
             number = next(self._numbers)
-            try:
-                self._channel.send((number, kind, argument), fds)
-                while True:
-                    answered, reply = self._channel.receive()
-                    if answered == number:
-                        return reply
-            except TimeoutError as e:
-                raise LoaderError(
-                    f"the process that starts decode processes (pid {self.pid}) did not answer "
-                    f"a {kind} request within {self._channel.socket.gettimeout():g} s"
-                ) from e
-            except (OSError, EOFError) as e:
-                raise LoaderError(
-                    f"lost the process that starts decode processes (pid {self.pid}): {e}"
-                ) from e
+            self._channel.send((number, kind, argument), fds)
+            while True:
+                answered, reply = self._channel.receive()
+                if answered == number:
+                    return reply
+        except TimeoutError as e:
+            raise LoaderError(
+                f"the process that starts decode processes (pid {self.pid}) did not answer "
+                f"a {kind} request within {self._channel.socket.gettimeout():g} s"
+            ) from e
+        except (OSError, EOFError) as e:
+            raise LoaderError(
+                f"lost the process that starts decode processes (pid {self.pid}): {e}"
+            ) from e
+        finally:
+            self._lock.release()
 
     def spawn(self, channel: socket.socket) -> int:
         """Fork a decode process that serves `channel`; its pid. Packages decode processes
