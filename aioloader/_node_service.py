@@ -24,7 +24,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import traceback
 import warnings
@@ -262,9 +261,8 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
 
 
 def _check_peer(sock: socket.socket) -> None:
-    """Refuse a peer of another user (the directory already keeps them out, but not root)."""
-    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _ = struct.unpack("3i", credentials)
+    """Refuse a peer of another user (the folder already keeps them out, but not root)."""
+    pid, uid = node.peer_uid(sock)
     if uid != os.getuid():
         raise LoaderError(f"this loader service belongs to user {os.getuid()}; process {pid} "
                           f"of user {uid} may not use it")

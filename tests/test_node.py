@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -288,15 +289,18 @@ def test_a_service_refuses_a_rank_whose_fingerprint_differs(urls: list[str]) -> 
 
 
 def _socket_of(loader: aioloader.Loader) -> str:
-    (path,) = [p for p in node.private_directory().glob("*.sock")
+    (path,) = [p for p in node.private_directory().path.glob("*.sock")
                if _listening_pid(p) == _service_pid(loader)]
     return str(path)
 
 
 def _listening_pid(path: Path) -> int | None:
+    """The process listening at `path`, which it bound through its folder's descriptor
+    (`/proc/self/fd/N/NAME.sock`): known by the socket's name."""
     for process in psutil.process_iter():
         try:
-            if any(c.laddr == str(path) for c in process.net_connections(kind="unix")):
+            if any(isinstance(c.laddr, str) and c.laddr.endswith(f"/{path.name}")
+                   for c in process.net_connections(kind="unix")):
                 return process.pid
         except psutil.Error:
             continue
@@ -351,14 +355,18 @@ def test_another_user_cannot_reach_or_use_a_nodes_service(urls: list[str]) -> No
         rank.close()
 
 
-def test_a_directory_others_may_enter_is_refused(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_others_may_enter_is_passed_over_with_a_log_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     folder = tmp_path / f"aioloader-{os.getuid()}"
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
-    with pytest.raises(aioloader.LoaderError, match="no one else may enter"):
-        node.private_directory()
+    with caplog.at_level(logging.WARNING, "aioloader"):
+        found = node.private_directory()
+    os.close(found.descriptor)
+    assert found.path == tmp_path / f"aioloader-{os.getuid()}-1"
+    assert "no one else may enter" in caplog.text
 
 
 def _record_order(raw: int) -> int:
@@ -480,7 +488,7 @@ def test_the_job_includes_the_working_directory_and_a_missing_runtime_dir_is_pas
     monkeypatch.chdir(tmp_path)
     assert node.job() != here
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "gone"))
-    assert node.private_directory().parent != tmp_path / "gone"
+    assert node.private_directory().path.parent != tmp_path / "gone"
 
 
 def test_fingerprints_tell_apart_repeats_and_bound_builtins() -> None:

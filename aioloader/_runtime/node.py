@@ -1,8 +1,10 @@
 """A rank's way to the loader service of its node (`service="node"`): find it, or start it.
 
 Every rank of a job that builds the same Loader meets at one Unix socket, named by the user,
-the job and the Loader's fingerprint, in a directory only that user may enter (0700; the
-service also checks each peer's uid). The first rank to find no service starts one, under a
+the job and the Loader's fingerprint, in a folder only that user may enter (0700), under a
+parent no other user can change. The folder is opened once and reached through its descriptor,
+and both ends check the other's uid (SO_PEERCRED) before a byte is sent or unpickled.
+The first rank to find no service starts one, under a
 file lock so that ranks arriving together start only one; the service is a process of its own
 session, not a child the starting rank waits for, so any rank may die without taking it along.
 It ends when its last rank leaves; a rank that meets it just as it ends starts another.
@@ -16,15 +18,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._errors import LoaderError
@@ -32,8 +37,9 @@ from .messages import Environment
 from .service_client import ServiceClient, ServiceInit
 from .zygote import START_TIMEOUT
 
-MAX_SOCKET_PATH = 108
-"""sun_path's size on Linux, its final NUL included."""
+FOLDER_NAMES = 8
+"""Names tried in one place (`aioloader-UID`, `aioloader-UID-1`, ...) before the next place."""
+log = logging.getLogger("aioloader")
 ATTEMPTS = 5
 """Connections tried before giving up: each may meet a service that is just ending."""
 
@@ -55,56 +61,133 @@ def local_ranks() -> int:
     return 1
 
 
-def private_directory() -> Path:
-    """This user's directory of node sockets: made 0700, refused if anyone else could enter.
-    Under XDG_RUNTIME_DIR when it exists (a batch job may inherit one that does not)."""
+@dataclass(frozen=True)
+class Folder:
+    """This user's folder of node sockets, opened once and checked through its descriptor:
+    the socket, the lock and the log are reached through `/proc/self/fd`, so a folder renamed
+    or swapped after the check is never the one used."""
+
+    descriptor: int
+    path: Path
+    """Where it was found, for messages; never used to reach it."""
+
+    def entry(self, name: str) -> str:
+        return f"/proc/self/fd/{self.descriptor}/{name}"
+
+
+def private_directory() -> Folder:
+    """This user's folder of node sockets, made 0700. Under XDG_RUNTIME_DIR when it is a
+    folder only this user (or root) can change, else in the temporary folder. A place another
+    user could change, or a name they squat (a folder, a symlink), is passed over for the next
+    (`aioloader-UID-1`, ...): every rank of the user walks the same names, so they still meet,
+    and a log line says why."""
+    uid = os.getuid()
+    for base in _bases():
+        try:
+            parent = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            why = _untrusted(os.fstat(parent), uid)
+            if why:
+                log.warning("node sockets not under %s: %s", base, why)
+                continue
+            for attempt in range(FOLDER_NAMES):
+                name = f"aioloader-{uid}" + (f"-{attempt}" if attempt else "")
+                folder = _own_folder(parent, name, uid)
+                if isinstance(folder, int):
+                    return Folder(folder, Path(base) / name)
+                log.warning("node sockets not in %s: %s", Path(base) / name, folder)
+        finally:
+            os.close(parent)
+    raise LoaderError(f"found no folder for the node's sockets that only user {uid} may "
+                      "change: set XDG_RUNTIME_DIR to a private directory")
+
+
+def _bases() -> list[str]:
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    base = runtime if runtime and os.path.isdir(runtime) else tempfile.gettempdir()
-    folder = Path(base) / f"aioloader-{os.getuid()}"
+    return [base for base in (runtime, tempfile.gettempdir()) if base]
+
+
+def _untrusted(info: os.stat_result, uid: int) -> str:
+    """Why a parent folder is no place for ours ("" if it is): another user could rename or
+    swap what lies in it."""
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory"
+    if info.st_uid not in (uid, 0):
+        return f"it belongs to user {info.st_uid}"
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        return f"others may write in it (mode {stat.filemode(info.st_mode)}, no sticky bit)"
+    return ""
+
+
+def _own_folder(parent: int, name: str, uid: int) -> int | str:
+    """`name` in `parent`, made if missing, opened without following a link: its descriptor
+    if it is a folder of `uid` that no one else may enter, else why not."""
     with contextlib.suppress(FileExistsError):
-        folder.mkdir(mode=0o700)
-    info = os.lstat(folder)
-    if (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
-            or info.st_mode & 0o077):
-        raise LoaderError(
-            f"{folder} must be a directory of user {os.getuid()} that no one else may enter "
-            f"(mode 0700), but it is mode {stat.filemode(info.st_mode)} of user {info.st_uid}: "
-            "remove it, or set XDG_RUNTIME_DIR to a private directory")
-    return folder
+        os.mkdir(name, 0o700, dir_fd=parent)
+    try:
+        descriptor = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                             dir_fd=parent)
+    except OSError as e:
+        return f"cannot be opened as a folder ({e.strerror})"
+    info = os.fstat(descriptor)
+    if info.st_uid != uid or info.st_mode & 0o077:
+        os.close(descriptor)
+        return (f"mode {stat.filemode(info.st_mode)} of user {info.st_uid}, not a folder of "
+                f"user {uid} that no one else may enter")
+    return descriptor
+
+
+def peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", credentials)
+    return pid, uid
 
 
 def connect(code: bytes, fingerprint: str, packages: list[str], stall_timeout: float
             ) -> ServiceClient:
     """A connection to this job's service for the Loader with `fingerprint`, started if
     there is none; `code` is this rank's configuration."""
-    name = hashlib.sha256(f"{job()}\0{fingerprint}".encode()).hexdigest()[:32]
+    name = socket_name(fingerprint)
     folder = private_directory()
-    path = folder / f"{name}.sock"
-    if len(os.fsencode(path)) >= MAX_SOCKET_PATH:
-        raise LoaderError(f"the node's socket path {path} is longer than a Unix socket's "
-                          f"{MAX_SOCKET_PATH - 1} bytes: set XDG_RUNTIME_DIR or TMPDIR to a "
-                          "shorter directory")
-    init = ServiceInit(code, Environment.here(), fingerprint, tuple(packages))
-    last: BaseException | None = None
-    for _ in range(ATTEMPTS):
-        sock = _connected(path)
-        if sock is None:
-            with locked(folder / f"{name}.lock"):
-                sock = _connected(path) or _start(path)
-        client = ServiceClient(sock, 0, stall_timeout, shared=True)
-        try:
-            client.introduce(init)
-            return client
-        except (OSError, EOFError) as e:  # met a service as it ended: find or start another
-            last = e
-    raise LoaderError(f"could not reach the node's loader service at {path}: {last} (what "
-                      f"it said is in {path.with_suffix('.log')})")
+    try:
+        path = folder.entry(f"{name}.sock")
+        init = ServiceInit(code, Environment.here(), fingerprint, tuple(packages))
+        last: BaseException | None = None
+        for _ in range(ATTEMPTS):
+            sock = _connected(path)
+            if sock is None:
+                with locked(folder.entry(f"{name}.lock")):
+                    sock = _connected(path) or _start(folder, name)
+            client = ServiceClient(sock, 0, stall_timeout, shared=True)
+            try:
+                client.introduce(init)
+                return client
+            except (OSError, EOFError) as e:  # met a service as it ended: find or start another
+                last = e
+    finally:
+        os.close(folder.descriptor)
+    raise LoaderError(f"could not reach the node's loader service at {folder.path / name}.sock: "
+                      f"{last} (what it said is in {folder.path / name}.log)")
 
 
-def _connected(path: Path) -> socket.socket | None:
+def socket_name(fingerprint: str) -> str:
+    """The service's name in the folder: the job's and the Loader's."""
+    return hashlib.sha256(f"{job()}\0{fingerprint}".encode()).hexdigest()[:32]
+
+
+def _connected(path: str) -> socket.socket | None:
+    """A connection to the service at `path`, checked before anything is sent or received:
+    a listener of another user is refused."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(str(path))
+        sock.connect(path)
+        pid, uid = peer_uid(sock)
+        if uid != os.getuid():
+            raise LoaderError(f"the node's loader service socket is held by process {pid} of "
+                              f"user {uid}, not of user {os.getuid()}: refused, nothing sent")
     except (FileNotFoundError, ConnectionRefusedError):
         sock.close()
         return None
@@ -114,36 +197,41 @@ def _connected(path: Path) -> socket.socket | None:
     return sock
 
 
-def _start(path: Path) -> socket.socket:
-    """Start a service listening at `path` (a stale socket there is replaced), and connect to
-    it: the socket listens before the service runs, so the connection waits in its backlog."""
+def _start(folder: Folder, name: str) -> socket.socket:
+    """Start a service listening at `name` in `folder` (a stale socket there is replaced),
+    and connect to it: the socket listens before the service runs, so the connection waits
+    in its backlog. The service gets the folder's descriptor, and reaches it as we do."""
+    path = folder.entry(f"{name}.sock")
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+        os.unlink(path)
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listening.bind(str(path))
+        listening.bind(path)
         listening.listen(64)
         package_root = str(Path(__file__).resolve().parents[2])  # where aioloader is
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        with open(path.with_suffix(".log"), "ab") as log:  # what it says, should it fail
+        log_file = os.open(folder.entry(f"{name}.log"),
+                           os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        with open(log_file, "ab") as log_output:  # what it says, should it fail
             service = subprocess.Popen(
                 [sys.executable, "-m", "aioloader._node_service", str(listening.fileno()),
-                 str(path)],
-                pass_fds=[listening.fileno()], start_new_session=True, env=environment,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd="/")
+                 path],
+                pass_fds=[listening.fileno(), folder.descriptor], start_new_session=True,
+                env=environment, stdin=subprocess.DEVNULL, stdout=log_output, stderr=log_output,
+                cwd="/")
         threading.Thread(target=service.wait, name="aioloader-node-reap", daemon=True).start()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(str(path))
+        sock.connect(path)
         return sock
     finally:
         listening.close()
 
 
 @contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
+def locked(path: str | Path) -> Iterator[None]:
     """Hold an exclusive lock on `path`, waiting at most START_TIMEOUT for it."""
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
