@@ -111,7 +111,8 @@ def test_disk_cache_serves_epoch_two_and_evicts_the_oldest_within_its_limit(
         big.append(f"{faulty_server.url}cache-big/{i}.bin")
     limit = DiskCache(tmp_path / "empty").size + 5 * (40 << 10)
     small = aioloader.Loader(aioloader.Files(big), batch_size=4, cache_dir=tmp_path / "small",
-                             cache_limit=limit, num_workers=0)
+                             cache_limit=limit, num_workers=0,
+                             concurrency=1)  # stored in order: reads in flight end in any
     list(small)
     kept = small.disk_cache
     assert kept is not None and 0 < len(kept) < 12 and kept.size <= limit
