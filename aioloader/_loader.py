@@ -15,12 +15,11 @@ import dataclasses
 import functools
 import os
 import threading
-import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -38,58 +37,30 @@ from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
 from ._loopthread import LoopThread
-from ._runtime import autotune, node, reaper, shm
+from ._runtime import autotune, node, reaper
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
-from ._runtime.decode import DecodeSpec
-from ._runtime.decoders import Decoder, InlineDecoder, PoolDecoder, Recovery
+from ._runtime.factory import PassFactory
 from ._runtime.fingerprint import fingerprint
-from ._runtime.passes import END, Pass, PassConfig
-from ._runtime.pool import DecodePool
+from ._runtime.passes import END, Pass
 from ._runtime.preload import packages_behind
-from ._runtime.remote import BackendHolder, RemoteDecoder
 from ._runtime.service_client import EXTRA_SECONDS, ServiceClient, load_stats
-from ._runtime.sources import PlannedSource, StreamSource
-from ._runtime.transport import BlockPool
 from ._runtime.zygote import Zygote
 from ._sampling import (
-    EpochPlan,
     Intervals,
     ShardInfo,
-    Spawn,
     call_with_shard_info,
     check_intervals,
     default_rank_and_world_size,
     steps_in_epoch,
 )
 from ._stats import LoaderStats, now
-from .storage._counters import StorageCounters
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._diskcache import DiskCache
-from .storage._hedge import Hedger
 from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
 from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT
-from .storage._storage import Storage
 
-UNBATCHED_CHUNK = 16
-"""Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""
-READ_AHEAD_PER_READ = 32
-"""Samples read ahead of the decode stage per read in flight (bounded by memory_limit too)."""
 CLOSE_WAIT_SECONDS = 5.0
-
-
-class NodeShare(Protocol):
-    """What a node's loader service shares among its ranks' passes (`_node_service`)."""
-
-    reads: autotune.ReadLimit
-    storage: Storage
-    blocks: BlockPool | None
-    disk_cache: DiskCache | None
-    counters: StorageCounters
-    memory_per_rank: int
-    ranks: int
-
-    def decoder(self) -> Decoder: ...
 
 
 class Loader(Closing, AsyncClosing):
@@ -220,59 +191,12 @@ class Loader(Closing, AsyncClosing):
         loader._start(config, None)
         return loader
 
-    @classmethod
-    def _in_service(cls, config: LoaderConfig) -> Loader:
-        """The Loader inside a loader service: passes run here, batches go to its client."""
-        loader = cls.__new__(cls)
-        loader._start(dataclasses.replace(config, service=None), None, export=True)
-        return loader
-
-    @classmethod
-    def _in_node(cls, config: LoaderConfig, share: NodeShare) -> Loader:
-        """A rank's Loader inside a node's loader service: its own epochs, position and
-        division; the node's reads, storage, decode processes and blocks, and its share of
-        the node's memory limit."""
-        loader = cls.__new__(cls)
-        loader._start(dataclasses.replace(config, service=None,
-                                          memory_limit=share.memory_per_rank),
-                      None, export=True, share=share)
-        return loader
-
-    def _start(self, config: LoaderConfig, executor: object, export: bool = False,
-               share: NodeShare | None = None) -> None:
+    def _start(self, config: LoaderConfig, executor: object) -> None:
         self.config = config
-        self._share = share
-        dataset = config.dataset
-        if config.cache is not None:
-            config.cache._attach(len(cast(Dataset, dataset)))
-        self.concurrency = config.concurrency
-        """Reads allowed in flight now: `config.concurrency`, or what tuning chose."""
-        self._stats = LoaderStats()
-        self._hedger = Hedger(self._stats.storage) if config.hedge else None
-        """Kept from pass to pass: what it learnt of read times is valid in the next epoch."""
-        self.cache = config.cache
-        self.disk_cache: DiskCache | None = None
-        if share is not None:
-            self.disk_cache, self._stats.storage = share.disk_cache, share.counters
-        elif config.cache_dir is not None:
-            self.disk_cache = DiskCache(config.cache_dir, config.cache_limit)
-        self._stats.cache_reports = [c.report for c in (self.cache, self.disk_cache)
-                                    if c is not None]
-        self._stats.source_shares = getattr(dataset, "shares", None)
-        self.executor = executor
-        load, threads = (None, 1) if isinstance(dataset, Stream) else (
-            dataset.load_in_workers() or (None, 1))
-        self._stats.load_threads = threads if load is not None else 0
-        self._spec = DecodeSpec(
-            config.decode, config.collate if config.batch_size else None, config.skip_errors,
-            config.seed, config.augment, config.cache, load, threads,
-        )
+        self._factory = factory = PassFactory(config, executor)
         self._service = _ServiceHolder()
-        self._backend: BackendHolder | None = None
-        if executor is not None:
-            self._backend = BackendHolder(executor, self._spec, max(config.num_workers, 1))
         self._packages: list[str] = []
-        if config.num_workers and executor is None and not export:  # a service's travelled
+        if config.num_workers and executor is None:
             self._packages = packages = packages_behind(self._check_serialisable())
             # start the helper that forks decode processes now, with what decode imports, and
             # the loader service, while the caller builds the rest of the job: the first batch
@@ -299,19 +223,8 @@ class Loader(Closing, AsyncClosing):
         self._dropped = False
         """The running pass's iterator was dropped; its release is on the way (a finalizer
         handed it over), and the next pass waits for it."""
-        self._holder = _PoolHolder()
-        self._blocks: BlockPool | None = None
-        if share is not None:
-            self._blocks = share.blocks
-        elif (config.shared_memory and config.num_workers and executor is None
-                and config.service is None and shm.available()):
-            self._blocks = BlockPool(
-                max_blocks=self._blocks_per_pass(),
-                max_bytes=config.memory_limit, export=export,
-            )
         self._finalizer = reaper.Shutdown(self, functools.partial(
-            _shut_down, self._holder, None if share else self._blocks, self._service,
-            self._backend))
+            _shut_down, factory, self._service))
 
     # -- settings (read-only: `config` holds them all) ---------------------------------------
 
@@ -344,12 +257,17 @@ class Loader(Closing, AsyncClosing):
         return self.config.memory_limit
 
     @property
+    def disk_cache(self) -> DiskCache | None:
+        """The folder of remote bytes kept on local disk (`cache_dir`), if any."""
+        return self._factory.disk_cache
+
+    @property
     def stats(self) -> LoaderStats:
         """Per-stage figures and the bottleneck verdict. With a loader service, the service's
         (asked for now while a pass runs), with the batches and waits seen here."""
         if self.config.service is None:
-            return self._stats
-        return self._service.stats(self._stats)
+            return self._factory.stats
+        return self._service.stats(self._factory.stats)
 
     def _check_serialisable(self) -> list[bytes]:
         """Fail here, not in a decode process or the service, when something cannot travel;
@@ -375,7 +293,8 @@ class Loader(Closing, AsyncClosing):
 
     def _pickled_for_decode(self) -> list[bytes]:
         pickled = []
-        for name, value in (("decode", self._spec), ("worker_init", self.config.worker_init)):
+        parts = (("decode", self._factory.spec), ("worker_init", self.config.worker_init))
+        for name, value in parts:
             try:
                 pickled.append(dumps(value))
             except Exception as e:
@@ -475,63 +394,10 @@ class Loader(Closing, AsyncClosing):
         return items // step if self.config.drop_last else -(-items // step)
 
     def _shard_info(self, epoch: int, remaining: Intervals | None = None) -> ShardInfo:
-        return ShardInfo(self.rank, self.world_size, epoch, self.config.seed, self.config.shuffle,
-                         self.config.drop_last, remaining, self.memory_limit // 2,
-                         (self.batch_size or 1) * self._steps_per_chunk())
-
-    def _steps_per_chunk(self) -> int:
-        return 1 if self.batch_size else UNBATCHED_CHUNK
-
-    def _prefetch_chunks(self) -> int:
-        return -(-self.prefetch // self._steps_per_chunk())
-
-    def _blocks_per_pass(self) -> int:
-        """Shared blocks a pass may use at once: its decode window and prefetch, and a few
-        being released."""
-        return self._decode_window() + self._prefetch_chunks() + 4
-
-    def _new_storage(self, connections: int) -> Storage:
-        """Storage as this Loader reads: its retries, timeout, counters, disk cache, size
-        bound and hedger."""
-        config = self.config
-        return Storage(connections, config.retries, config.timeout, self._stats.storage,
-                       self.disk_cache, config.max_object_bytes, self._hedger or False)
-
-    def _decode_window(self) -> int:
-        """Chunks decoding or finished and waiting: enough for every decode process to have
-        one running and one queued, plus the prefetch."""
-        return self._prefetch_chunks() + 2 * max(self.num_workers, 1) + 1
-
-    # -- passes -----------------------------------------------------------------------------
-
-    def _config(self, epoch: int) -> PassConfig:
-        chunk_samples = (self.batch_size or 1) * self._steps_per_chunk()
-        reads = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
-        if self._share is not None:  # the node's reads, shared among its ranks
-            reads = max(1, reads // self._share.ranks)
-        return PassConfig(
-            epoch=epoch,
-            batch_size=self.batch_size,
-            steps_per_chunk=self._steps_per_chunk(),
-            ordered=self.config.ordered,
-            skip_errors=self.config.skip_errors,
-            memory_limit=self.memory_limit,
-            read_ahead=max(READ_AHEAD_PER_READ * reads, 2 * chunk_samples),
-            decode_window=self._decode_window(),
-            stall_timeout=self.config.stall_timeout,
-            first_chunk_parts=self._first_chunk_parts(),
-            start_chunks=max(self.num_workers, 1) + 1,
-        )
-
-    def _first_chunk_parts(self) -> int:
-        """Decode processes a pass's first batch is divided among: all of them, when there are
-        several and the batch is made by the default collate (which can be joined)."""
-        divisible = (self.batch_size and self.executor is None and self.num_workers > 1
-                     and self._spec.collate is default_collate and not self._nothing_to_decode())
-        return self.num_workers if divisible else 1
+        return self._factory.shard_info(epoch, remaining)
 
     async def _open_pass(self) -> Pass:
-        self._holder.check_process()
+        self._factory.pools.check_process()
         dropped = self._pass
         if self._dropped and dropped is not None and self._pass_loop is asyncio.get_running_loop():
             self._abandon_pass(dropped)  # its release, queued on this loop, has not run yet
@@ -541,12 +407,11 @@ class Loader(Closing, AsyncClosing):
             self._refuse_a_second_pass()
             self._opening = True
         try:
-            running = await self._build_pass()
-            try:
-                await running.start()
-            except BaseException:
-                await running.aclose()
-                raise
+            start = self._resume_at or 0
+            if self._resume_at is None:
+                self._remaining = None
+            self._position, self._resume_at = start, None
+            running = await self._factory.open(self._epoch, start, self._remaining)
         finally:
             with self._lock:
                 self._opening = False
@@ -566,102 +431,6 @@ class Loader(Closing, AsyncClosing):
                 "a pass over this Loader is already running (in another thread or task); "
                 "a Loader runs one pass at a time: finish or break that loop first"
             )
-
-    async def _build_pass(self) -> Pass:
-        start = self._resume_at or 0
-        if self._resume_at is None:
-            self._remaining = None
-        self._position, self._resume_at = start, None
-        epoch = self._epoch
-        config = self._config(epoch)
-        stats = self._stats
-        # a stream is pulled one item at a time, whatever it reads ahead itself
-        stats.concurrency = 1 if isinstance(self.dataset, Stream) else self.concurrency
-        stats.stream = isinstance(self.dataset, Stream)
-        stats.decode_processes = self.num_workers
-        share = self._share
-        if share is not None:  # the node's, for every rank's passes
-            reads, storage = share.reads, share.storage
-        else:
-            reads = autotune.ReadLimit(self.concurrency)
-            connections = autotune.HIGHEST if self.config.auto_concurrency else self.concurrency
-            storage = self._new_storage(connections)
-        source: PlannedSource | StreamSource
-        if isinstance(self.dataset, Stream):
-            source = StreamSource(
-                self.dataset, start, self.batch_size or 1,
-                config.steps_per_chunk, not (self.config.drop_last and self.batch_size), stats,
-            )
-        else:
-            order = self.dataset.epoch_order(self.config.shuffle, self.config.seed, epoch)
-            plan = EpochPlan(order, self.batch_size or 1, self.rank, self.world_size,
-                             self.config.drop_last, start)
-            source = PlannedSource(self.dataset, plan, config.steps_per_chunk,
-                                   config.skip_errors, self.cache, reads, stats)
-        decoder: Decoder = self._decoder(epoch) if share is None else share.decoder()
-        blocks = self._blocks
-        if isinstance(decoder, InlineDecoder) and blocks is not None and not blocks.export:
-            blocks = None  # collated here and used here: no block to copy the batch into
-        side_tasks = []
-        if self.config.auto_concurrency and share is None:  # a node's reads stay as set
-            tuner = autotune.Tuner(
-                reads,
-                lambda: (stats.fetch.count, stats.fetch.total, stats.consumer_wait.total),
-                self._use_concurrency,
-            )
-            side_tasks.append(tuner.tune())
-        info = self._shard_info(epoch, self._remaining)
-
-        def in_context(start_task: Callable[[], asyncio.Task[None]]) -> asyncio.Task[None]:
-            """The feed and the tasks it starts see this pass's storage and shard info."""
-
-            def start_with_storage() -> asyncio.Task[None]:
-                with storage.as_current():
-                    return start_task()
-
-            return call_with_shard_info(info, start_with_storage)
-
-        return Pass(config, source, decoder, blocks, stats, storage, in_context,
-                    side_tasks, owns_storage=share is None)
-
-    def _decoder(self, epoch: int) -> Decoder:
-        if self._backend is not None:
-            return RemoteDecoder(self._backend.backend, self._recovery())
-        if not self.num_workers or self._nothing_to_decode():
-            return InlineDecoder(self._spec)
-        base_seed = int(
-            np.random.SeedSequence([self.config.seed, epoch], spawn_key=(Spawn.WORKER_SEEDS,))
-            .generate_state(1)[0]
-        )
-
-        def get_pool() -> DecodePool:
-            if self.config.persistent_workers:
-                return self._holder.get(self, base_seed)
-            return DecodePool(self._spec, self.num_workers, base_seed, self.config.worker_init)
-
-        return PoolDecoder(get_pool, not self.config.persistent_workers, self._recovery())
-
-    def _recovery(self) -> Recovery:
-        return Recovery(self.config.decode_timeout, self.config.max_worker_restarts,
-                        self.config.skip_errors, self._worker_restarted, self._decode_timed_out)
-
-    def _nothing_to_decode(self) -> bool:
-        """No decode, no augment, no cache, nothing read in the workers, the default collate
-        and no worker_init: sending raw items to a process and back would cost more than
-        collating them here."""
-        spec = self._spec
-        return (spec.passes_through and spec.collate in (None, default_collate)
-                and self.config.worker_init is None)
-
-    def _use_concurrency(self, limit: int) -> None:
-        self.concurrency = self._stats.concurrency = limit
-
-    def _decode_timed_out(self) -> None:
-        self._stats.decode_timeouts += 1
-
-    def _worker_restarted(self, message: str) -> None:
-        self._stats.worker_restarts += 1
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def _pass_over(self, running: Pass) -> None:
         """Book-keeping once a pass is closed or dropped: epoch, position, the running slot."""
@@ -732,7 +501,7 @@ class Loader(Closing, AsyncClosing):
 
     def _open_service_pass(self) -> ServiceClient:
         """Start a pass in the service (started now if need be), where the loader stands."""
-        self._holder.check_process()
+        self._factory.pools.check_process()
         with self._lock:
             if self._closed:
                 raise LoaderError("this Loader is closed; build a new one")
@@ -754,7 +523,7 @@ class Loader(Closing, AsyncClosing):
     def _served(self, got: tuple[Any, int], asked: float) -> Any:
         """Book a batch handed over: the position after it, the wait for it."""
         item, self._position = got
-        stats, arrived = self._stats, now()
+        stats, arrived = self._factory.stats, now()
         stats.batches += 1
         stats.consumer_wait.add(arrived - asked)
         stats.event("consumer", asked, arrived, "wait")
@@ -793,7 +562,7 @@ class Loader(Closing, AsyncClosing):
             error = LoaderError("the Loader was closed while a pass was running")
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(running.fail, error)
-            if not _in_loop(loop) and not self._holder.foreign:  # a fork's pass is the parent's
+            if not _in_loop(loop) and not self._factory.pools.foreign:  # a fork's: the parent's
                 with self._lock:
                     self._pass_ended.wait_for(lambda: self._pass is not running,
                                               CLOSE_WAIT_SECONDS)
@@ -922,55 +691,11 @@ def _open_into(loader: Loader, opened: list[ServiceClient]) -> None:
     opened.append(loader._open_service_pass())
 
 
-def _shut_down(holder: _PoolHolder, blocks: BlockPool | None, service: _ServiceHolder,
-               backend: BackendHolder | None) -> None:
-    """Processes first: none may create a block after the blocks are removed. In a forked
-    child (its `sys.exit` runs this finalizer too) the processes and blocks are the parent's:
-    only the child's copies are let go of."""
+def _shut_down(factory: PassFactory, service: _ServiceHolder) -> None:
+    """The service first, then what the factory holds (processes before blocks). In a forked
+    child (its `sys.exit` runs this too) only the child's copies are let go of."""
     service.close()
-    holder.close()
-    if backend is not None:
-        backend.close()
-    if blocks is not None:
-        blocks.close()
-
-
-class _PoolHolder(ProcessBound):
-    """The loader's persistent decode pool, built on first use; kept apart from the Loader so
-    a finalizer can close it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._pool: DecodePool | None = None
-        self._lock = threading.Lock()
-
-    def check_process(self) -> None:
-        """LoaderError in a child forked from the loader's process: what it would use is the
-        parent's."""
-        if self.foreign:
-            raise LoaderError(
-                f"this Loader was built in process {self.owner_pid}, and process {os.getpid()} "
-                "is a child forked from it: its decode processes and shared memory are the "
-                "parent's. Build a new Loader in the child."
-            )
-
-    def get(self, loader: Loader, base_seed: int) -> DecodePool:
-        self.check_process()
-        with self._lock:
-            if self._pool is None:
-                self._pool = DecodePool(
-                    loader._spec, loader.num_workers, base_seed, loader.config.worker_init
-                )
-            return self._pool
-
-    def close(self) -> None:
-        if self.foreign:  # no lock: a thread of the parent may have held it at the fork
-            pool, self._pool = self._pool, None
-        else:
-            with self._lock:
-                pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+    factory.close()
 
 
 class _ServiceHolder(ProcessBound):

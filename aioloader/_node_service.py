@@ -32,13 +32,13 @@ from typing import TextIO
 
 from ._config import LoaderConfig
 from ._errors import LoaderError
-from ._loader import Loader
 from ._loopthread import new_event_loop
 from ._runtime import autotune, node, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps, frame, read_message
 from ._runtime.decode import one_line
 from ._runtime.decoders import Decoder, PoolDecoder, SharedDecoder
+from ._runtime.factory import PassFactory
 from ._runtime.messages import Chunk
 from ._runtime.service_client import ServiceInit
 from ._runtime.transport import BlockPool
@@ -50,23 +50,23 @@ REFUSAL_SECONDS = 5.0
 
 
 class NodeShare:
-    """What every rank's passes share (`_loader.NodeShare`), built from the first rank's
-    configuration in the service's event loop. `node` is a Loader over it whose decode pool
-    persists."""
+    """What every rank's passes share (`factory.Share`), built from the first rank's
+    configuration in the service's event loop. `node` builds the shared parts: its decode
+    pool persists."""
 
     def __init__(self, config: LoaderConfig, ranks: int) -> None:
         self.ranks = ranks
-        self.node = Loader._in_service(dataclasses.replace(
-            config, rank=0, world_size=1, persistent_workers=True, shared_memory=False))
-        node = self.node
+        self.node = node = PassFactory(dataclasses.replace(
+            config, service=None, rank=0, world_size=1, persistent_workers=True,
+            shared_memory=False), export=True)
         self.memory_per_rank = max(1, config.memory_limit // ranks)
         self.disk_cache = node.disk_cache
-        self.counters = node._stats.storage
+        self.counters = node.stats.storage
         self.reads = autotune.ReadLimit(config.concurrency)
-        self.storage = node._new_storage(config.concurrency)
+        self.storage = node.new_storage(config.concurrency)
         self.blocks: BlockPool | None = None
         if config.shared_memory and shm.available():
-            self.blocks = BlockPool(max_blocks=ranks * node._blocks_per_pass(),
+            self.blocks = BlockPool(max_blocks=ranks * node.blocks_per_pass(),
                                     max_bytes=config.memory_limit, export=True)
         self._decoder = self._pool_decoder()
 
@@ -83,7 +83,7 @@ class NodeShare:
         return SharedDecoder(self._decoder)
 
     def _pool_decoder(self) -> Decoder:
-        decoder = self.node._decoder(0)
+        decoder = self.node.decoder(0)
         if isinstance(decoder, PoolDecoder):
             decoder.on_ignored = self._drop_block
         return decoder
@@ -177,38 +177,38 @@ class _Node:
         key = next(self._ids)
         self._connections += 1
         self._arrived.set()
-        loader: Loader | None = None
+        factory: PassFactory | None = None
         self._removed[key] = []
         try:
-            loader = await self._admit(reader, writer)
-            if loader is None:
+            factory = await self._admit(reader, writer)
+            if factory is None:
                 return
             service = self._services[key] = Service(
-                loader, lambda: self._take_removed(key), own_process=False)
+                factory, lambda: self._take_removed(key), own_process=False)
             await service.serve(reader, writer)
         finally:
             self._services.pop(key, None)
             self._removed.pop(key, None)
-            if loader is not None:
-                await off_loop(loader.close)
+            if factory is not None:
+                await off_loop(factory.close)
             writer.close()
             self._connections -= 1
             if not self._connections:
                 self._left.set()
 
     async def _admit(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-                     ) -> Loader | None:
-        """The rank's Loader, once its peer and configuration are checked; None (refusal
-        sent) otherwise."""
-        loader = None
+                     ) -> PassFactory | None:
+        """The rank's pass factory, once its peer and configuration are checked; None
+        (refusal sent) otherwise."""
+        factory = None
         try:
             _check_peer(writer.get_extra_info("socket"))
             init: ServiceInit = await asyncio.wait_for(read_message(reader), START_TIMEOUT)
             async with self._setting_up:
-                loader = await self._rank_loader(init)
+                factory = await self._rank_factory(init)
             writer.writelines(frame(dumps(("ready", os.getpid()))))
             await writer.drain()
-            return loader
+            return factory
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             pass
         except Exception as e:
@@ -217,11 +217,13 @@ class _Node:
             with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
                 await writer.drain()
                 await asyncio.wait_for(_until_closed(reader), REFUSAL_SECONDS)
-        if loader is not None:
-            await off_loop(loader.close)
+        if factory is not None:
+            await off_loop(factory.close)
         return None
 
-    async def _rank_loader(self, init: ServiceInit) -> Loader:
+    async def _rank_factory(self, init: ServiceInit) -> PassFactory:
+        """A rank's passes: its own epochs, position and division; the node's reads,
+        storage, decode processes and blocks, and its share of the node's memory limit."""
         if self._share is None:
             init.environment.take_on()
             config: LoaderConfig = pickle.loads(init.code)
@@ -235,7 +237,9 @@ class _Node:
                 f"{self._fingerprint[:12]}, this rank's is {init.fingerprint[:12]})")
         else:  # a large dataset takes a while: the other ranks' passes go on meanwhile
             config = await off_loop(pickle.loads, init.code)
-        return Loader._in_node(config, self._share)
+        return PassFactory(dataclasses.replace(config, service=None,
+                                               memory_limit=self._share.memory_per_rank),
+                           export=True, share=self._share)
 
     def _take_removed(self, key: int) -> list[str]:
         """Blocks unlinked since rank `key` was last told: every rank is told of each."""

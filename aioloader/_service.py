@@ -1,9 +1,10 @@
 """A loader service: the process that runs a Loader's passes beside the trainer.
 
 The zygote forks it (`run`), so it starts with aioloader imported and none of the user's main
-module; the configuration arrives by value, and a Loader is built from it here. Its event loop
-reads, schedules decoding and hands batches over, in a process of its own: a training step that
-holds the GIL no longer slows it. Its decode processes come from the same zygote, over a control
+module; the configuration arrives by value, and passes are built from it here (`PassFactory`,
+as a Loader and a node's service build theirs). Its event loop reads, schedules decoding and
+hands batches over, in a process of its own: a training step that holds the GIL no longer
+slows it. Its decode processes come from the same zygote, over a control
 socket of its own; when the service ends or is killed, the zygote kills them and removes the
 blocks named with the service's pid. It dies with the zygote, which dies with the trainer.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import os
 import pickle
 import signal
@@ -29,10 +31,10 @@ from typing import Any, TextIO
 
 from ._config import LoaderConfig
 from ._errors import LoaderError, RemoteTraceback
-from ._loader import Loader
 from ._loopthread import new_event_loop
 from ._runtime.channel import Channel, dumps, dumps_data, frame, read_message
 from ._runtime.decode import one_line
+from ._runtime.factory import PassFactory
 from ._runtime.passes import END, Pass
 from ._runtime.service_client import ServiceInit
 from ._runtime.transport import Exported
@@ -52,20 +54,20 @@ def run(descriptor: int, zygote_descriptor: int, zygote_pid: int) -> int:
         init.environment.take_on()
         config: LoaderConfig = pickle.loads(init.code)
         init.environment.filter_warnings()  # the categories the configuration imported
-        loader = Loader._in_service(config)
+        factory = PassFactory(dataclasses.replace(config, service=None), export=True)
     except BaseException as e:
         with contextlib.suppress(OSError):
             channel.send(("failed", one_line(e), traceback.format_exc()))
         return 1
     channel.send(("ready", os.getpid()))
     loop = new_event_loop()
-    blocks = loader._blocks
-    service = Service(loader, blocks.take_removed if blocks is not None else list)
+    blocks = factory.blocks
+    service = Service(factory, blocks.take_removed if blocks is not None else list)
     warnings.showwarning = service.warn
     try:
         loop.run_until_complete(_serve_socket(service, sock))
     finally:
-        loader.close()
+        factory.close()
         loop.close()
     return 0
 
@@ -76,14 +78,14 @@ async def _serve_socket(service: Service, sock: socket.socket) -> None:
 
 
 class Service:
-    """One client's passes, one at a time, over a Loader built in this process.
+    """One client's passes, one at a time, built by a factory in this process.
     `take_removed` gives the blocks unlinked since the client was last told. `own_process`:
     the process is this client's alone, so each pass takes on the client's environment (a
     node's service keeps the first rank's: its ranks' passes run side by side)."""
 
-    def __init__(self, loader: Loader, take_removed: Callable[[], list[str]],
+    def __init__(self, factory: PassFactory, take_removed: Callable[[], list[str]],
                  own_process: bool = True) -> None:
-        self._loader = loader
+        self._factory = factory
         self._take_removed = take_removed
         self._own_process = own_process
         self._sent: collections.Counter[str] = collections.Counter()
@@ -110,7 +112,7 @@ class Service:
     def _give_back(self) -> None:
         """Blocks the client held when it left (closed, or killed) are unlinked: a trainer's
         views, if it lives on, keep their memory, and the pool its room."""
-        blocks = self._loader._blocks
+        blocks = self._factory.blocks
         if blocks is not None:
             for name in self._sent:
                 blocks.retire(name)
@@ -138,9 +140,7 @@ class Service:
             self._send(("stats", self._stats()))
 
     async def _run_pass(self, epoch: int, start: int, remaining: Any) -> None:
-        loader = self._loader
-        loader._epoch, loader._resume_at, loader._remaining = epoch, start, remaining
-        running = await self._open_or_report()
+        running = await self._open_or_report(epoch, start, remaining)
         if running is None:
             return
         try:
@@ -155,7 +155,7 @@ class Service:
                 assert self._writer is not None
                 await self._writer.drain()
         finally:
-            await loader._close_pass(running)
+            await running.aclose()
             self._tell_removed()  # blocks the pass's close removed: the client unmaps them now
 
     def _hand_over(self, item: Any, running: Pass) -> bool:
@@ -165,16 +165,16 @@ class Service:
             self._send(("end", self._stats()))
             return False
         data = dumps_data(("batch", item, running.position))
-        blocks = self._loader._blocks
+        blocks = self._factory.blocks
         if isinstance(item, Exported) and blocks is not None:
             blocks.hold(item.name)  # the client's, until it releases it
             self._sent[item.name] += 1
         self._write(data)
         return True
 
-    async def _open_or_report(self) -> Pass | None:
+    async def _open_or_report(self, epoch: int, start: int, remaining: Any) -> Pass | None:
         try:
-            return await self._loader._open_pass()
+            return await self._factory.open(epoch, start, remaining)
         except Exception as e:
             self._send(("error", *_portable(e), self._stats()))
             return None
@@ -199,7 +199,7 @@ class Service:
                 self._loop.call_soon_threadsafe(self._send, sent)
 
     def _release(self, names: list[str]) -> None:
-        blocks = self._loader._blocks
+        blocks = self._factory.blocks
         if blocks is not None:
             for name in names:
                 blocks.release(name)
@@ -208,7 +208,7 @@ class Service:
                     del self._sent[name]
 
     def _stats(self) -> bytes:
-        return pickle.dumps(snapshot(self._loader.stats), pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(snapshot(self._factory.stats), pickle.HIGHEST_PROTOCOL)
 
     def _send(self, message: tuple[Any, ...]) -> None:
         self._write(dumps(message))

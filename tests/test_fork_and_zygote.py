@@ -84,7 +84,7 @@ mode = {mode!r}
 def fork_here():
     before, processes = segments(), decode_processes()
     if mode == "mid-epoch, lock held":
-        loader._blocks._lock.acquire()  # as the loader's thread may hold it at the fork
+        loader._factory.blocks._lock.acquire()  # as the loader's thread may hold it at the fork
     pid = os.fork()
     if pid == 0:
         if mode == "iterate":
@@ -100,7 +100,7 @@ def fork_here():
             os._exit(0)
         sys.exit(0)
     if mode == "mid-epoch, lock held":
-        loader._blocks._lock.release()
+        loader._factory.blocks._lock.release()
     print(json.dumps({{"child exit code": wait_for(pid),
                       "segments removed": sorted(before - segments())}}), flush=True)
     return processes

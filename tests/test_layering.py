@@ -114,3 +114,12 @@ def test_raw_items_of_any_mapping_travel_to_a_decode_process_once_torch_is_impor
     back = pickle.loads(pickle.dumps(Chunk(0, [0, 1], raws)))
     assert back.raws[0] == {"name": "a"} and back.raws[1]["view"].tolist() == [0, 1, 2, 3]
     assert back.raws[1]["view"].untyped_storage().nbytes() == 4 * storage.element_size()
+
+
+def test_the_services_build_passes_with_the_factory_and_never_import_the_loader() -> None:
+    """A service that built a Loader to reach its private wiring (`_new_storage`,
+    `_decoder`, `_blocks`) broke whenever the Loader changed; the factory is the seam."""
+    graph = _imports()
+    for service in ("aioloader._service", "aioloader._node_service"):
+        assert "aioloader._loader" not in graph[service], service
+        assert "aioloader._runtime.factory" in graph[service], service

@@ -60,8 +60,8 @@ def test_a_first_batch_joined_from_parts_comes_in_one_block_and_its_parts_go(
             assert [int(i) for b in batches for i in b[:, 0, 0, 0]] == list(range(40))
         assert loader.stats.transport == {"shared": 12, "pickled": 0}
         if service is None:
-            assert loader._blocks is not None
-            assert loader._blocks.segments <= loader._blocks.max_blocks
+            assert loader._factory.blocks is not None
+            assert loader._factory.blocks.segments <= loader._factory.blocks.max_blocks
         del batches
     assert segments_settle(before) == before
 
@@ -123,8 +123,8 @@ def test_kept_batches_never_change_while_blocks_are_reused(
                     kept_one = batch  # holds one at a time: blocks are reused
         assert loader.stats.transport["pickled"] > 0 and loader.stats.transport["shared"] > 0
         if service is None:
-            assert loader._blocks is not None
-            assert loader._blocks.segments <= loader._blocks.max_blocks
+            assert loader._factory.blocks is not None
+            assert loader._factory.blocks.segments <= loader._factory.blocks.max_blocks
     indices = [int(i) for batch in kept_all for i in batch[:, 0, 0, 0]]
     assert indices == list(range(SAMPLE_COUNT))
     assert kept_one is not None and int(kept_one[-1, 0, 0, 0]) == SAMPLE_COUNT - 1
