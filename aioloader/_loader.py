@@ -10,6 +10,7 @@ plain `for`. A Loader runs one pass at a time.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -560,13 +561,19 @@ class Loader(Closing, AsyncClosing):
             running, loop = self._pass, self._pass_loop
         if running is not None and loop is not None:
             error = LoaderError("the Loader was closed while a pass was running")
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(running.fail, error)
-            if not _in_loop(loop) and not self._factory.pools.foreign:  # a fork's: the parent's
-                with self._lock:
-                    self._pass_ended.wait_for(lambda: self._pass is not running,
-                                              CLOSE_WAIT_SECONDS)
+            if _in_loop(loop) or self._factory.pools.foreign:  # a fork's pass: the parent's
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(running.fail, error)
+            else:  # closed here, in its loop: a suspended `for` need not come back for it
+                with contextlib.suppress(RuntimeError, concurrent.futures.TimeoutError):
+                    asyncio.run_coroutine_threadsafe(self._fail_pass(running, error), loop
+                                                     ).result(CLOSE_WAIT_SECONDS)
         self._finalizer()
+
+    async def _fail_pass(self, running: Pass, error: LoaderError) -> None:
+        """The pass raises `error` at its next batch, and is closed now."""
+        running.fail(error)
+        await self._close_pass(running)
 
     async def aclose(self) -> None:
         """close() for async code: a pass running in this loop is closed here, and the decode

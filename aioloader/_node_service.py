@@ -154,19 +154,14 @@ class _Node:
         with, and remove the socket unless a new service already took its place."""
         if self._connections:
             return False
-        lock = self._path.with_suffix(".lock")
-        with node.locked(lock):
+        with node.locked(self._path.with_suffix(".lock")):
             if self._connections:
                 return False
             with contextlib.suppress(FileNotFoundError):
-                if os.stat(self._path).st_ino == self._inode:
-                    self._path.unlink()
+                if os.stat(self._path).st_ino == self._inode:  # not a new service's
+                    node.remove_ended(str(self._path))
             server.close()
             self._ending = True
-        log = self._path.with_suffix(".log")
-        with contextlib.suppress(OSError):
-            if log.stat().st_size == 0:  # nothing went wrong: nothing to keep
-                log.unlink()
         return True
 
     async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

@@ -36,7 +36,7 @@ from ._runtime.channel import Channel, dumps, dumps_data, frame, read_message
 from ._runtime.decode import one_line
 from ._runtime.factory import PassFactory
 from ._runtime.passes import END, Pass
-from ._runtime.service_client import ServiceInit
+from ._runtime.service_client import HEARTBEAT_SECONDS, ServiceInit
 from ._runtime.transport import Exported
 from ._runtime.zygote import Zygote
 from ._stats import snapshot
@@ -99,15 +99,24 @@ class Service:
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
         self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
+        beat = self._loop.create_task(self._beat())
         try:
             while True:
                 await self._answer(await read_message(reader))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the trainer closed its end, or died
         finally:
+            beat.cancel()
             await self._stop()
             self._writer.close()
             self._give_back()
+
+    async def _beat(self) -> None:
+        """Say this process lives, every second: a client that hears nothing at all knows it
+        is stopped or wedged within seconds, not after `stall_timeout`."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+            self._send(("alive",))
 
     def _give_back(self) -> None:
         """Blocks the client held when it left (closed, or killed) are unlinked: a trainer's

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,40 @@ def test_ranks_whose_decode_reads_a_global_that_differs_each_get_their_own_data(
     got = [eval(output) for output in outputs]
     assert got[0] == [0, 1, 2, 3, 8, 9, 10, 11]
     assert got[1] == [4000, 5000, 6000, 7000, 12000, 13000, 14000, 15000]
+
+
+# -- what ended jobs leave in the folder ----------------------------------------------------------
+
+KILLED_JOB = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import aioloader
+from decoders import index_of
+loader = aioloader.Loader(aioloader.Files({paths!r}), decode=index_of, batch_size=4,
+                          num_workers=1, service="node")
+next(iter(loader))
+os.kill(loader._service._client.pid, signal.SIGKILL)  # the service, then this rank: a job killed
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_jobs_socket_lock_and_empty_log_are_swept_and_a_finished_jobs_leave_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_paths: list[str]
+) -> None:
+    """Lock files piled up, one per job, and a SIGKILLed service left its socket and log."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    folder = runtime / f"aioloader-{os.getuid()}"
+    script = KILLED_JOB.format(tests=str(Path(__file__).parent), paths=local_paths[:16])
+    subprocess.run([sys.executable, "-c", script], timeout=120,
+                   env={**os.environ, "TORCHELASTIC_RUN_ID": "killed"})
+    left = sorted(entry.suffix for entry in folder.iterdir())
+    assert ".sock" in left, f"the killed job left {left}"
+    with aioloader.Loader(aioloader.Files(local_paths[:8]), decode=index_of, batch_size=4,
+                          num_workers=1, service="node") as loader:
+        assert [list(batch) for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    deadline = time.monotonic() + 20  # the service ends once its last rank left
+    while list(folder.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(folder.iterdir()) == []

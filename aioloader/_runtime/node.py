@@ -153,6 +153,7 @@ def connect(code: bytes, fingerprint: str, packages: list[str], stall_timeout: f
     name = socket_name(fingerprint)
     folder = private_directory()
     try:
+        sweep(folder)
         path = folder.entry(f"{name}.sock")
         init = ServiceInit(code, Environment.here(), fingerprint, tuple(packages))
         last: BaseException | None = None
@@ -229,20 +230,68 @@ def _start(folder: Folder, name: str) -> socket.socket:
 
 
 @contextlib.contextmanager
-def locked(path: str | Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path`, waiting at most START_TIMEOUT for it."""
-    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise LoaderError(f"{path} stayed locked for {START_TIMEOUT:g} s: another "
-                                      "rank is starting the node's loader service") from None
-                time.sleep(0.02)
-        yield
-    finally:
-        os.close(descriptor)
+def locked(path: str | Path, wait: float = START_TIMEOUT) -> Iterator[None]:
+    """Hold an exclusive lock on `path`, waiting at most `wait` seconds for it (BlockingIOError
+    past that when `wait` is 0, else LoaderError). Its holder may remove the file: a lock
+    taken on a file that was removed or replaced meanwhile is taken again on the new one."""
+    deadline = time.monotonic() + wait
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            while True:
+                try:
+                    fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not wait:
+                        raise
+                    if time.monotonic() > deadline:
+                        raise LoaderError(
+                            f"{path} stayed locked for {wait:g} s: another rank is starting "
+                            "the node's loader service") from None
+                    time.sleep(0.02)
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
+                    yield
+                    return
+        finally:
+            os.close(descriptor)
+
+
+def sweep(folder: Folder) -> None:
+    """Remove what ended services left in the folder: sockets nothing listens on (a service
+    killed with SIGKILL), their locks, and logs that say nothing. A log that says something
+    stays: it tells why a service failed. A name being started now is locked: left alone."""
+    live = _listening_names()
+    for stem in sorted({entry.rpartition(".")[0] for entry in os.listdir(folder.entry(""))
+                        if entry.endswith((".sock", ".lock", ".log"))}):
+        if f"{stem}.sock" in live:
+            continue
+        with contextlib.suppress(OSError), locked(folder.entry(f"{stem}.lock"), wait=0):
+            if f"{stem}.sock" not in _listening_names():  # not started just before
+                remove_ended(folder.entry(f"{stem}.sock"))
+
+
+def remove_ended(socket_path: str) -> None:
+    """A service's socket, its empty log and its lock (held by the caller) go."""
+    base = socket_path.removesuffix(".sock")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)
+    with contextlib.suppress(OSError):
+        if os.stat(f"{base}.log").st_size == 0:
+            os.unlink(f"{base}.log")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"{base}.lock")
+
+
+def _listening_names() -> set[str]:
+    """The names of the Unix sockets something listens on now, from the kernel's table
+    (`__SO_ACCEPTCON`): no connection is made, so no service sees a visitor."""
+    names = set()
+    with open("/proc/net/unix") as table:
+        next(table, None)
+        for line in table:
+            fields = line.split()
+            if len(fields) >= 8 and int(fields[3], 16) & 0x10000:
+                names.add(fields[7].rpartition("/")[2])
+    return names

@@ -47,7 +47,13 @@ AHEAD = 2
 STOP_SECONDS = 5.0
 """How long closing waits for the service to end before it is killed."""
 EXTRA_SECONDS = 60.0
-"""Beyond `stall_timeout` (the service's own watchdog), how long to wait for a message."""
+"""Beyond `stall_timeout` (the service's own watchdog), how long to wait for a message while
+the service's heartbeat says it lives."""
+HEARTBEAT_SECONDS = 1.0
+"""How often a service says it lives (an "alive" message), whatever else it sends."""
+SILENCE_SECONDS = 15.0
+"""Nothing at all, not even a heartbeat, for this long: the service is stopped (SIGSTOP, a
+debugger) or its loop is wedged, and waiting for its watchdog would take `stall_timeout`."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,8 @@ class ServiceClient(ProcessBound):
         self.pass_open = False
         """A pass was opened and has not ended, failed or been stopped."""
         self.last_stats: bytes | None = None
+        self._heard_at = time.monotonic()
+        """When the last message of any kind arrived."""
 
     @classmethod
     def spawn(cls, code: bytes, packages: list[str], stall_timeout: float) -> ServiceClient:
@@ -130,7 +138,7 @@ class ServiceClient(ProcessBound):
             raise LoaderError(f"the loader service could not be set up: {reply[1]}") from (
                 RemoteTraceback(reply[2]) if reply[2] else None)
         self.pid = reply[1]
-        sock.settimeout(self._timeout)
+        sock.settimeout(SILENCE_SECONDS)
 
     # -- the pass ---------------------------------------------------------------------------
 
@@ -173,6 +181,10 @@ class ServiceClient(ProcessBound):
             await asyncio.wait({readable}, timeout=0.05)
         finally:
             loop.remove_reader(descriptor)
+        heard = max(self._heard_at, started)
+        if not readable.done() and time.monotonic() - heard > SILENCE_SECONDS:
+            self.broken = "it stopped answering"
+            raise self._silent(heard)
         if time.monotonic() - started > self._timeout:
             raise self._silent(started)
 
@@ -284,6 +296,9 @@ class ServiceClient(ProcessBound):
         except BaseException:  # Ctrl-C mid-message: what is left of it cannot be found again
             self.broken = "a message from it was cut short"
             raise
+        self._heard_at = time.monotonic()
+        if message[0] == "alive":
+            return
         if message[0] == "warning":
             warnings.warn(message[2], message[1], stacklevel=3)
             return
@@ -298,7 +313,8 @@ class ServiceClient(ProcessBound):
 
     def _silent(self, started: float) -> LoaderError:
         return LoaderError(f"the loader service (pid {self.pid}) sent nothing for "
-                           f"{time.monotonic() - started:.0f} s")
+                           f"{time.monotonic() - started:.0f} s, not even its heartbeat: it is "
+                           "stopped (SIGSTOP, a debugger) or its event loop is blocked")
 
     def _lost(self, error: BaseException) -> LoaderError:
         if self.closed:
