@@ -398,7 +398,9 @@ class SharedCache(Closing):
         fcntl.flock(members, fcntl.LOCK_UN)
         os.close(members)
         remove_if_unused(self.name)
-        Zygote.get().watch_cache(self.name, False)
+        zygote = Zygote.running()
+        if zygote is not None:
+            zygote.watch_cache(self.name, False)
 
 
 def _members_name(name: str) -> str:

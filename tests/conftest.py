@@ -129,8 +129,9 @@ class Snapshot:
 
 
 HELPERS = ("forkserver", "resource_tracker", "aioloader._runtime.zygote_main")
-LASTING_THREAD = "aioloader-reaper"
-"""The thread finalizers hand their work to lives as long as the interpreter, as the zygote."""
+LASTING_THREADS = ("aioloader-reaper", "aioloader-zygote-reap")
+"""Threads that live as long as the interpreter, as the zygote: the one finalizers hand their
+work to, and the one that reaps the zygote when it ends."""
 
 
 def ended(process: psutil.Process | int) -> bool:
@@ -178,7 +179,7 @@ def snapshot() -> Snapshot:
     me = psutil.Process()
     children = frozenset(p.pid for p in me.children(recursive=True) if _ours(p))
     threads = frozenset(t.ident for t in threading.enumerate()
-                        if t.ident is not None and t.name != LASTING_THREAD)
+                        if t.ident is not None and t.name not in LASTING_THREADS)
     return Snapshot(children, threads, len(me.net_connections(kind="inet")), _unix_sockets(me))
 
 

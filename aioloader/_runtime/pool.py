@@ -204,8 +204,10 @@ class DecodePool(ProcessBound):
         for process in self.processes:
             process.send(STOP)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        zygote = Zygote.get()
+        zygote = Zygote.running()  # None: the processes died with the one that forked them
         for process in self.processes:
+            if zygote is None:
+                break
             if zygote.exit_status(process.pid, max(0.0, deadline - time.monotonic())) is None:
                 process.kill()
                 zygote.exit_status(process.pid, STOP_GRACE_SECONDS)

@@ -319,7 +319,8 @@ class ServiceClient(ProcessBound):
     def _lost(self, error: BaseException) -> LoaderError:
         if self.closed:
             return LoaderError("the Loader was closed while a pass was running")
-        status = None if self.foreign or self.shared else Zygote.get().exit_status(self.pid, 1.0)
+        zygote = None if self.foreign or self.shared else Zygote.running()
+        status = None if zygote is None else zygote.exit_status(self.pid, 1.0)
         how = "" if status is None else (
             f" (killed by {signal.Signals(-status).name})" if status < 0 else
             f" (exit status {status})")
@@ -343,9 +344,9 @@ class ServiceClient(ProcessBound):
             return
         with contextlib.suppress(OSError):
             self._channel.socket.shutdown(socket.SHUT_RDWR)
-        zygote = Zygote.get()
+        zygote = Zygote.running()  # None: the service died with the one that forked it
         with contextlib.suppress(LoaderError):
-            if zygote.exit_status(self.pid, STOP_SECONDS) is None:
+            if zygote is not None and zygote.exit_status(self.pid, STOP_SECONDS) is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.pid, signal.SIGKILL)
                 zygote.exit_status(self.pid, STOP_SECONDS)

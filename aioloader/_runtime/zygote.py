@@ -50,6 +50,13 @@ class Zygote(ProcessBound):
             return cls._instance
 
     @classmethod
+    def running(cls) -> Zygote | None:
+        """This interpreter's zygote if it runs, else None: what ends processes never starts
+        a zygote (the processes of one that ended died with it)."""
+        instance = cls._instance
+        return instance if instance is not None and instance.alive() else None
+
+    @classmethod
     def adopt(cls, sock: socket.socket, pid: int) -> None:
         """In a loader service: talk to the zygote that forked it, over the socket it was
         given, so its decode processes are forked there too."""
@@ -92,6 +99,10 @@ class Zygote(ProcessBound):
             self._channel.close()
             raise LoaderError("the process that starts decode processes did not start")
         ours.settimeout(REPLY_TIMEOUT)
+        # reaped as soon as it ends: a zombie is still a child to whoever waits for this
+        # process's children to go (a Jupyter kernel's shutdown waited 30 s for it)
+        threading.Thread(target=self._process.wait, name="aioloader-zygote-reap",
+                         daemon=True).start()
 
     @property
     def pid(self) -> int:
