@@ -38,7 +38,7 @@ from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
 from ._loopthread import LoopThread
-from ._runtime import autotune, node, reaper
+from ._runtime import autotune, node, reaper, shm
 from ._runtime.blocking import off_loop
 from ._runtime.channel import dumps
 from ._runtime.factory import PassFactory
@@ -202,9 +202,8 @@ class Loader(Closing, AsyncClosing):
             # start the helper that forks decode processes now, with what decode imports, and
             # the loader service, while the caller builds the rest of the job: the first batch
             # need not wait for them (a node's service has its own helper)
-            if config.service != "node":
-                threading.Thread(target=_warm_up, args=(packages, self._service, config),
-                                 name="aioloader-warm-up", daemon=True).start()
+            threading.Thread(target=_warm_up, args=(packages, self._service, config),
+                             name="aioloader-warm-up", daemon=True).start()
         self._epoch = 0
         self._position = 0
         """Where the last pass stood: the global position in the epoch's order (map-style
@@ -587,10 +586,14 @@ class Loader(Closing, AsyncClosing):
 
 
 def _warm_up(packages: list[str], service: _ServiceHolder, config: LoaderConfig) -> None:
-    """Start the zygote with `packages` imported, then the loader service if there is one.
-    Given the holder and the configuration, not the Loader: a Loader dropped meanwhile is
-    finalized (closing what was started) rather than kept alive by this thread."""
+    """Remove what killed jobs left in /dev/shm, then start the zygote with `packages`
+    imported (a node's service has its own), then the loader service if there is one. Given
+    the holder and the configuration, not the Loader: a Loader dropped meanwhile is finalized
+    (closing what was started) rather than kept alive by this thread."""
     with contextlib.suppress(Exception):  # a failure shows, with its cause, at the first pass
+        shm.sweep_dead()
+        if config.service == "node":
+            return
         Zygote.get().preload(packages)
         if config.service == "process":
             service.start(config, packages)

@@ -150,6 +150,31 @@ def unlink(name: str) -> None:
         os.unlink(path(name))
 
 
+def sweep_dead() -> list[int]:
+    """Unlink the segments of this user's processes that are gone: a job killed whole (its
+    zygote with it: `kill -9` of the group, the OOM killer, a reboot's leftovers on a
+    persistent /dev/shm) had nobody left to remove them. The pids swept."""
+    if not os.path.isdir(SHM_DIR):
+        return []
+    uid, swept = os.getuid(), []
+    owners = {int(parts[1]) for parts in (name.split("-", 2) for name in os.listdir(SHM_DIR))
+              if len(parts) == 3 and parts[0] == "aioloader" and parts[1].isdigit()}
+    for pid in sorted(owners):
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or a pid reused since: left alone, as the owner may be alive)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process: alive
+        mine = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix(pid))]
+        with contextlib.suppress(FileNotFoundError):
+            if mine and all(os.stat(os.path.join(SHM_DIR, n)).st_uid == uid for n in mine):
+                remove_leftovers(pid)
+                swept.append(pid)
+    return swept
+
+
 def remove_leftovers(pid: int) -> int:
     """Unlink every segment process `pid` owned; how many there were."""
     if not os.path.isdir(SHM_DIR):
