@@ -160,19 +160,30 @@ def sweep_dead() -> list[int]:
     owners = {int(parts[1]) for parts in (name.split("-", 2) for name in os.listdir(SHM_DIR))
               if len(parts) == 3 and parts[0] == "aioloader" and parts[1].isdigit()}
     for pid in sorted(owners):
-        try:
-            os.kill(pid, 0)
+        if not _gone(pid):
             continue  # alive (or a pid reused since: left alone, as the owner may be alive)
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's process: alive
         mine = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix(pid))]
         with contextlib.suppress(FileNotFoundError):
             if mine and all(os.stat(os.path.join(SHM_DIR, n)).st_uid == uid for n in mine):
                 remove_leftovers(pid)
                 swept.append(pid)
     return swept
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended: no such process, or a zombie (an orphan of a killed
+    job waits for init to reap it, which may take a while)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's: alive
+    try:
+        with open(f"/proc/{pid}/stat") as status:
+            return status.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 def remove_leftovers(pid: int) -> int:
