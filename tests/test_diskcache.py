@@ -26,8 +26,11 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader.storage._diskcache import DEBRIS_AGE, DiskCache
-from aioloader.testing import TestServer
+from aioloader.storage._diskcache import DEBRIS_AGE, DiskCache, _key
+from aioloader.storage._version import Version
+from aioloader.testing import Nginx, TestServer
+
+from decoders import index_of
 
 OBJECTS = 150
 LARGEST = 62 << 10
@@ -308,6 +311,124 @@ def test_a_full_disk_fails_no_read(objects: TestServer, tmp_path: Path, full: st
     assert answer["wrong_epochs"] == 0
     assert answer["report"]["disk_write_errors"] > 0
     assert 1 <= len(answer["warnings"]) <= 2  # once for writes, once for reads at most
+
+
+# -- a new job and objects that changed on the server ------------------------------------------
+
+CHANGING = 20
+NEW = 1000
+"""An object's label (its first 4 bytes) is its index, then NEW + its index once rewritten."""
+
+
+def labelled(label: int, index: int) -> bytes:
+    """Object `index` with `label`: the same size whatever the label."""
+    return struct.pack("<I", label) + bytes([index]) * (500 + index)
+
+
+def write_objects(folder: Path, indices: range | list[int], new: bool = False) -> None:
+    """Write the objects, dated an hour ago; or again, with new labels in as many bytes,
+    dated now: seconds apart, as Last-Modified (and nginx's ETag) count them."""
+    when = time.time() - (0 if new else 3600)
+    for index in indices:
+        path = folder / f"changing-{index:02d}.bin"
+        path.write_bytes(labelled(NEW + index if new else index, index))
+        os.utime(path, (when, when))
+
+
+def job(urls: list[str], folder: Path) -> tuple[list[list[int]], dict[str, float]]:
+    """A job: a Loader of its own, two epochs through the disk cache in `folder`; each
+    epoch's labels and the cache's report."""
+    with aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=None,
+                          num_workers=0, cache_dir=folder, hedge=False) as loader:
+        epochs = [list(loader) for _ in range(2)]
+        return epochs, dict(loader.stats.cache)
+
+
+@pytest.mark.parametrize("validator", ["ETag", "Last-Modified"])
+def test_a_new_job_gets_objects_changed_on_the_server_not_the_bytes_on_disk(
+    tmp_path: Path, validator: str
+) -> None:
+    """A new job once got the old labels of all 20 objects rewritten on the server (the same
+    size, a new ETag) until the folder was deleted by hand. Now it asks the server about each
+    entry once (this server ignores the question and sends the object), gets the new bytes,
+    and its epoch 2 asks nothing."""
+    served = tmp_path / "served"
+    served.mkdir()
+    write_objects(served, range(CHANGING))
+    with TestServer(served, no_etag=validator != "ETag") as server:
+        urls = [f"{server.url}changing-{i:02d}.bin" for i in range(CHANGING)]
+        old = list(range(CHANGING))
+        assert job(urls, tmp_path / "cache")[0] == [old, old]
+        write_objects(served, range(CHANGING), new=True)
+        before = server.stats()["requests"]
+        epochs, report = job(urls, tmp_path / "cache")
+        asked = server.stats()["requests"] - before
+    new = [NEW + i for i in range(CHANGING)]
+    assert epochs == [new, new]
+    assert asked == CHANGING  # epoch 1 only
+    assert report["disk_replaced"] == CHANGING and report["disk_hits"] == CHANGING
+
+
+def test_a_new_job_checks_unchanged_objects_with_a_304_and_rereads_changed_ones(
+    nginx: Nginx, web_root: Path, tmp_path: Path
+) -> None:
+    """The check costs a 304 without a body for an unchanged object, and brings the new bytes
+    of a changed one; epoch 2 trusts what epoch 1 checked."""
+    write_objects(web_root, range(CHANGING))
+    urls = [f"{nginx.url}changing-{i:02d}.bin" for i in range(CHANGING)]
+    job(urls, tmp_path / "cache")
+    changed = range(0, CHANGING, 2)
+    write_objects(web_root, changed, new=True)
+    epochs, report = job(urls, tmp_path / "cache")
+    labels = [NEW + i if i in changed else i for i in range(CHANGING)]
+    assert epochs == [labels, labels]
+    assert report["disk_checked"] == CHANGING - len(changed)
+    assert report["disk_replaced"] == len(changed)
+    assert report["disk_hits"] == 2 * CHANGING - len(changed)
+
+
+def test_a_new_job_gets_s3_objects_rewritten_with_the_same_size(
+    s3_endpoint: str, tmp_path: Path
+) -> None:
+    """As over HTTP: If-None-Match the entry's ETag, a 304 for an unchanged object, the new
+    bytes of a rewritten one."""
+    boto3 = pytest.importorskip("boto3")
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="changing")
+
+    def put(indices: range, new: bool = False) -> None:
+        for i in indices:
+            client.put_object(Bucket="changing", Key=f"{i:02d}.bin",
+                              Body=labelled(NEW + i if new else i, i))
+
+    put(range(CHANGING))
+    urls = [f"s3://changing/{i:02d}.bin" for i in range(CHANGING)]
+    job(urls, tmp_path / "cache")
+    changed = range(0, CHANGING, 2)
+    put(changed, new=True)
+    epochs, report = job(urls, tmp_path / "cache")
+    labels = [NEW + i if i in changed else i for i in range(CHANGING)]
+    assert epochs == [labels, labels]
+    assert report["disk_checked"] == CHANGING - len(changed)
+    assert report["disk_replaced"] == len(changed)
+
+
+def test_an_entry_the_server_cannot_be_asked_about_serves_only_the_job_that_read_it(
+    tmp_path: Path
+) -> None:
+    """Without ETag or Last-Modified (the server sent neither, or an older release wrote the
+    entry without its version) no conditional request can check an entry: the job that read
+    the bytes trusts them, a new job reads them again."""
+    url, older = "http://127.0.0.1:9/plain.bin", "http://127.0.0.1:9/older.bin"
+    cache = DiskCache(tmp_path)
+    cache.put(url, None, None, b"plain", Version(None, None, 5))
+    first = cache.get(url, None, None)
+    assert first is not None and first.trusted
+    cache._cache.set(_key(older, None, None), b"older")  # as an older release wrote it
+    later = DiskCache(tmp_path)
+    again, old = later.get(url, None, None), later.get(older, None, None)
+    assert again is not None and not again.trusted and again.version == Version(None, None, 5)
+    assert old is not None and not old.trusted and old.version is None
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import aioloader
 from aioloader.storage import _registry
 from aioloader.storage._storage import Storage
 
-INTERFACE = ("read", "size", "stream", "list", "aclose")
+INTERFACE = ("read", "read_versioned", "size", "stream", "list", "aclose")
 
 
 @pytest.mark.parametrize("scheme", sorted(_registry.SCHEMES))

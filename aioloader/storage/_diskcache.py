@@ -1,6 +1,12 @@
 """Remote bytes kept on local disk, the oldest written evicted first, so that epoch 2 of a
 remote dataset reads from disk.
 
+Each entry keeps the version (ETag, Last-Modified, size) of the object its bytes came from. A
+job (one DiskCache: a Loader, or a node's service) serves an entry as it is only once it has
+seen that version of the object itself: from the server's answer when it read the bytes, or
+from a 304 to a conditional request (`Storage`), one per object per job. A folder outlives
+jobs, and objects change between them: a new job must not get the old bytes.
+
 Oldest-written rather than least-recently-used: an epoch reads every sample once, so the two
 evict alike, and least-recently-used makes every hit a write to the shared index (a hit costs
 four to five times more, and processes queue for SQLite's one writer).
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import sqlite3
@@ -23,10 +30,12 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import diskcache
 from diskcache.core import DBNAME, UNKNOWN
+
+from ._version import Version
 
 DEFAULT_LIMIT = 10 << 30
 DEBRIS_AGE = 600.0
@@ -69,9 +78,20 @@ class _Disk(diskcache.Disk):  # type: ignore[misc]
                 os.remove(path)
 
 
+class Entry(NamedTuple):
+    """A cached value: its bytes, their version, and whether to serve it without asking."""
+
+    data: bytes
+    version: Version | None
+    """The object's version the bytes came from; None in an entry of an older release."""
+    trusted: bool
+    """This job has seen that version of the object: serve the bytes without asking."""
+
+
 class DiskCache:
     """At most `limit` bytes (index included) of remote bytes in `directory`, by (URL, start,
-    end); any number of processes and threads may share the folder.
+    end), each with its object's version; any number of processes and threads may share the
+    folder.
 
     A cache error (a full disk, a locked or unreadable index) is counted, warned about once and
     never raised: a failed read is a miss, a failed write loses only the copy, and an index
@@ -85,6 +105,9 @@ class DiskCache:
         self.limit = limit
         self._lock = threading.Lock()
         self.hits = self.misses = self.read_errors = self.write_errors = 0
+        self.checked = self.replaced = 0
+        self._seen: dict[str, str] = {}
+        """URL -> the version (as stored) this job last saw of the object."""
         self._warned: set[str] = set()
         self.size = 0
         self._cache: diskcache.Cache | None = None
@@ -102,33 +125,53 @@ class DiskCache:
         return 0 if self._cache is None else len(self._cache)
 
     def report(self) -> dict[str, float]:
-        """Hits, misses, size and failures, for loader.stats."""
-        return {"disk_hits": self.hits, "disk_misses": self.misses,
+        """Hits (of which checked by a 304), misses (of which entries read again), size and
+        failures, for loader.stats."""
+        return {"disk_hits": self.hits, "disk_checked": self.checked,
+                "disk_misses": self.misses, "disk_replaced": self.replaced,
                 "disk_gib": round(self.size / (1 << 30), 4),
                 "disk_read_errors": self.read_errors, "disk_write_errors": self.write_errors}
 
-    def get(self, url: str, start: int | None, end: int | None) -> bytes | None:
-        """The cached bytes, or None."""
-        data: bytes | None = None
+    def get(self, url: str, start: int | None, end: int | None) -> Entry | None:
+        """The cached bytes and their version, or None. A hit is counted for a trusted entry;
+        an untrusted one counts as what `checked` or `put` makes of it."""
+        value: bytes | None = None
+        tag: str | None = None
         try:
             if self._cache is not None:
-                data = self._cache.get(_key(url, start, end))
+                value, tag = self._cache.get(_key(url, start, end), tag=True)
         except _ERRORS as error:
             self._failed("read", error)
-            data = None
+            value = None
         with self._lock:
-            if data is None:
+            if value is None:
                 self.misses += 1
-            else:
-                self.hits += 1
-        return data
+                return None
+            trusted = tag is not None and self._seen.get(url) == tag
+            self.hits += trusted
+        return Entry(value, None if tag is None else Version(*json.loads(tag)), trusted)
 
-    def put(self, url: str, start: int | None, end: int | None, data: bytes) -> None:
-        """Keep `data`, evicting the oldest written to stay under the limit."""
+    def checked_unchanged(self, url: str, version: Version) -> None:
+        """The server answered 304 to a conditional request: `version` is the object's."""
+        with self._lock:
+            self._seen[url] = _tag(version)
+            self.hits += 1
+            self.checked += 1
+
+    def put(self, url: str, start: int | None, end: int | None, data: bytes, version: Version,
+            replacing: bool = False) -> None:
+        """Keep `data`, read from the server as `version` of the object (`replacing` an entry
+        it did not serve: changed, or not to be checked), evicting the oldest written to stay
+        under the limit."""
+        tag = _tag(version)
+        with self._lock:
+            self._seen[url] = tag
+            self.replaced += replacing
+            self.misses += replacing  # its get counted nothing
         if len(data) > self.limit or self._cache is None:
             return
         try:
-            self._cache.set(_key(url, start, end), data)
+            self._cache.set(_key(url, start, end), data, tag=tag)
         except _ERRORS as error:
             self._cache.disk.discard_new()
             self._failed("write", error)
@@ -158,6 +201,11 @@ class DiskCache:
                 f"stats.cache['disk_{what}_errors'])",
                 RuntimeWarning, stacklevel=3,
             )
+
+
+def _tag(version: Version) -> str:
+    """A version as the index's tag column holds it, beside the bytes it labels."""
+    return json.dumps([version.etag, version.last_modified, version.size])
 
 
 def _key(url: str, start: int | None, end: int | None) -> str:

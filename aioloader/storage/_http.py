@@ -10,18 +10,15 @@ import re
 import zlib
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from .._errors import FetchError
+from ._interface import StoreSettings, Versioned
 from ._limits import check_range, too_large
 from ._retry import Attempts, is_retryable, parse_retry_after
 from ._version import Version
-
-if TYPE_CHECKING:
-    from ._interface import StoreSettings
 
 log = logging.getLogger("aioloader.storage")
 
@@ -110,6 +107,16 @@ def object_version(response: aiohttp.ClientResponse) -> Version:
     return Version(headers.get("ETag"), headers.get("Last-Modified"), size)
 
 
+def conditional(unless: Version | None) -> dict[str, str]:
+    """If-None-Match its ETag, else If-Modified-Since its Last-Modified: a server answers 304,
+    without a body, while the object is still that version."""
+    if unless is not None and unless.etag is not None:
+        return {"If-None-Match": unless.etag}
+    if unless is not None and unless.last_modified is not None:
+        return {"If-Modified-Since": unless.last_modified}
+    return {}
+
+
 def if_range(began: Version) -> dict[str, str]:
     """If-Range for a resume: the server sends the whole new object (a 200, refused by
     `Version.check`) rather than a range of it when the object changed. A weak ETag may not be
@@ -158,12 +165,29 @@ class HttpStore:
         return self._session
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
+        data, _ = await self._get(url, start, end, {})
+        return data
+
+    async def read_versioned(self, url: str, start: int | None = None, end: int | None = None,
+                             unless: Version | None = None) -> Versioned | None:
+        data, response = await self._get(url, start, end, conditional(unless))
+        if response.status == 304:
+            return None
+        return Versioned(data, object_version(response))
+
+    async def _get(self, url: str, start: int | None, end: int | None,
+                   conditions: dict[str, str]) -> tuple[bytes, aiohttp.ClientResponse]:
+        """The bytes and the answer that brought them; a 304 to `conditions` brings none."""
         check_range(url, start, end, self._max_bytes)
         session = self._get_session()
         attempts = Attempts(url, self._policy, self._counters)
+        headers = range_header(start, end) | conditions
         while True:
             try:
-                async with session.get(url, headers=range_header(start, end)) as response:
+                async with session.get(url, headers=headers) as response:
+                    if conditions and response.status == 304:
+                        self._counters.requests += 1
+                        return b"", response
                     data = await self._plain_whole(response) if start is None else None
                     if data is None:
                         chunks = self._body(url, response, start, end, self._max_bytes,
@@ -173,7 +197,7 @@ class HttpStore:
                     raise FetchError(
                         url, f"short read: wanted bytes {start}..{end}, got {len(data)}"
                     )
-                return data
+                return data, response
             except RETRYABLE as e:
                 await _failed(url, attempts, e)
 

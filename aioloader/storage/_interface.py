@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ._counters import StorageCounters
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._retry import RetryPolicy
+from ._version import Version
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,13 @@ class StoreSettings:
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
 
 
+class Versioned(NamedTuple):
+    """Bytes of an object and the version of it they came from, as the answer labelled it."""
+
+    data: bytes
+    version: Version
+
+
 class Store(Protocol):
     """Reads of the URLs of one or more schemes. Made by `Storage`, one per class, on the
     first read of one of its URLs; `list` needs no instance."""
@@ -36,6 +44,13 @@ class Store(Protocol):
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
         """The whole object, or bytes `start` up to `end` (FetchError naming the URL)."""
+        ...
+
+    async def read_versioned(self, url: str, start: int | None = None, end: int | None = None,
+                             unless: Version | None = None) -> Versioned | None:
+        """As `read`, with the object's version; None when the object is still `unless` (a
+        conditional request answered 304, without a body). An `unless` without ETag or
+        Last-Modified cannot be asked about: the bytes are read."""
         ...
 
     async def size(self, url: str) -> int: ...

@@ -13,6 +13,8 @@ from urllib.parse import quote, unquote, urlsplit
 import aiofiles
 
 from .._errors import FetchError
+from ._interface import Versioned
+from ._version import Version
 
 if TYPE_CHECKING:
     from ._interface import StoreSettings
@@ -69,6 +71,12 @@ class LocalStore:
         if start is not None and end is not None and len(data) != end - start:
             raise FetchError(path, f"short read: wanted bytes {start}..{end}, got {len(data)}")
         return data
+
+    async def read_versioned(self, url: str, start: int | None = None, end: int | None = None,
+                             unless: Version | None = None) -> Versioned:
+        """As `read`: local files are read afresh each time, never through the disk cache, so
+        no version is asked for or given."""
+        return Versioned(await self.read(url, start, end), Version(None, None, None))
 
     async def read_many(self, paths: list[str]) -> list[bytes]:
         """Whole files (paths, not URLs), in one trip to a file thread: for many small local

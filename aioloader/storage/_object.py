@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._errors import FetchError
+from ._interface import Versioned
 from ._limits import check_range, too_large
 from ._retry import Attempts, is_retryable
 from ._version import Version, changed
@@ -166,6 +167,35 @@ class ObjectStore:
                     return bytes(await result.bytes_async())
                 data = await self._obstore.get_range_async(store, key, start=start, end=end)
                 return bytes(data)
+            except Exception as e:
+                await self._attempt(url, attempts, e)
+
+    async def read_versioned(self, url: str, start: int | None = None, end: int | None = None,
+                             unless: Version | None = None) -> Versioned | None:
+        """As `read`, with the object's version; None when its ETag is still `unless`'s
+        (If-None-Match: a 304 without a body). Every cloud here sends ETags."""
+        check_range(url, start, end, self._max_bytes)
+        store, key = self._locate(url)
+        options: dict[str, Any] = {}
+        if start is not None:
+            options["range"] = {"offset": start} if end is None else (start, end)
+        if unless is not None and unless.etag is not None:
+            options["if_none_match"] = unless.etag
+        attempts = Attempts(url, self._policy, self._counters)
+        while True:
+            try:
+                self._counters.requests += 1
+                result = await self._obstore.get_async(store, key, options=options)
+                if start is None:
+                    self._check_size(url, int(result.meta["size"]))
+                data = bytes(await result.bytes_async())
+                if start is not None and end is not None and len(data) != end - start:
+                    raise FetchError(
+                        url, f"short read: wanted bytes {start}..{end}, got {len(data)}"
+                    )
+                return Versioned(data, _version(result.meta))
+            except self._obstore.exceptions.NotModifiedError:
+                return None
             except Exception as e:
                 await self._attempt(url, attempts, e)
 

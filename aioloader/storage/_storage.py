@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any, TypeVar, cast
 
 from .._closing import AsyncClosing
 from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
-from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Hedger
+from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Attempt, Hedger
 from ._interface import Store, StoreSettings
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore, local_path
@@ -23,6 +24,8 @@ from ._registry import check_url, store_class
 from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
 
 __all__ = ["Storage", "borrowed", "check_url", "list_prefix", "local_path", "read", "read_range"]
+
+T = TypeVar("T")
 
 _current: contextvars.ContextVar[Storage | None] = contextvars.ContextVar(
     "aioloader_storage", default=None
@@ -117,21 +120,39 @@ class Storage(AsyncClosing):
     async def _read_through_disk(
         self, cache: DiskCache, store: Store, url: str, start: int | None, end: int | None
     ) -> bytes:
-        """Remote bytes from the disk cache, or from the network and then into the cache. The
-        cache's SQLite and file work blocks, so it runs on the file threads; it never raises."""
-        cached = await self._local.run(cache.get, url, start, end)
-        if cached is not None:
-            return cached
-        data = await self._read_remote(store, url, start, end)
-        await self._local.run(cache.put, url, start, end, data)
-        return data
+        """Remote bytes from the disk cache, or from the network and then into the cache.
+
+        An entry whose version of the object this job has seen is served as it is (epoch 2
+        asks nothing); any other is asked about first, If-None-Match its ETag (else
+        If-Modified-Since): a 304 costs a round trip without a body, a 200 brings the new
+        bytes. An entry without either is read again. The cache's SQLite and file work
+        blocks, so it runs on the file threads; it never raises."""
+        entry = await self._local.run(cache.get, url, start, end)
+        if entry is not None and entry.trusted:
+            return entry.data
+        unless = None if entry is None else entry.version
+        answer = await self._hedged(lambda: store.read_versioned(url, start, end, unless),
+                                    start, end)
+        if answer is None:  # a 304, to a question only an entry's version asks
+            assert entry is not None and unless is not None
+            cache.checked_unchanged(url, unless)
+            return entry.data
+        await self._local.run(cache.put, url, start, end, answer.data, answer.version,
+                              entry is not None)
+        return answer.data
 
     async def _read_remote(self, store: Store, url: str, start: int | None, end: int | None
                            ) -> bytes:
+        return await self._hedged(lambda: store.read(url, start, end), start, end)
+
+    async def _hedged(self, read: Callable[[], Coroutine[Any, Any, T]], start: int | None,
+                      end: int | None) -> T:
         large = start is not None and end is not None and end - start > HEDGE_MAX_BYTES
         if self._hedger is None or large:  # a large read is bound by bandwidth, not latency
-            return await store.read(url, start, end)
-        return await self._hedger.read(lambda: store.read(url, start, end))
+            return await read()
+        # the hedger hands back what the winning attempt returned, untouched; its type
+        # names bytes, the result of most reads
+        return cast(T, await self._hedger.read(cast(Attempt, read)))
 
     @contextmanager
     def as_current(self) -> Iterator[Storage]:
