@@ -100,8 +100,9 @@ class Loader(Closing, AsyncClosing):
         retries, timeout: the read retry budget and the seconds a request may take.
         executor: where to decode instead of the built-in processes: a
             `concurrent.futures.Executor`, a Dask `distributed.Client`, or "ray" (the Ray
-            cluster `ray.init()` finds: RAY_ADDRESS, else a local one started for this Loader
-            and stopped at close; `num_workers` actors). An executor or client stays yours.
+            this process holds, else the cluster RAY_ADDRESS names, else a local one started
+            for this Loader, never one found running, and stopped when its last Loader
+            closes; `num_workers` actors). An executor or client stays yours.
         shared_memory: hand large batches back through /dev/shm instead of pickles.
         augment: with `cache=`, the random step `augment(value, rng)` run every epoch on the
             cached output of `decode`.
@@ -342,19 +343,17 @@ class Loader(Closing, AsyncClosing):
         state_at = getattr(self.dataset, "state_at", None)
         if state_at is not None:  # a mixture: where each source stands, for people to read
             state["sources"] = state_at(self._epoch, self.config.seed, position)
-        fingerprint = getattr(self.dataset, "fingerprint", None)
-        if fingerprint is not None:  # a mixture: its sources, weights and lengths
-            state["mixture"] = fingerprint()
+        described = self.dataset.fingerprint()
+        if described is not None:  # what the position means depends on: checked on load
+            state["dataset"] = described
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next iteration continues the saved epoch at the saved position. A state that
-        does not fit this data (a position past the epoch, another world size for a stream
-        that needs the same) is refused here, naming what is wrong."""
+        does not fit this data (saved for other data, a position past the epoch, another world
+        size for a stream that needs the same) is refused here, naming what is wrong."""
         epoch, position = _check_state(state)
-        check_state = getattr(self.dataset, "check_state", None)
-        if check_state is not None:  # a mixture: the same sources, weights and lengths
-            check_state(state)
+        self.dataset.check_state(state)  # saved for this data: its length, units and sizes
         remaining = None
         if isinstance(self.dataset, IndexedStream):
             total = int(self.dataset.unit_sizes.sum())

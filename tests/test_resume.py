@@ -3,10 +3,13 @@ elastic resumption on another number of ranks with nothing skipped."""
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -142,3 +145,65 @@ def test_elastic_resume_on_another_world_size_skips_nothing(
     assert len(order) - length <= (before - 1) + (after - 1)
     if length % before == 0 and (length - state["position"]) % after == 0:
         assert sorted(order) == list(range(length))  # nothing to pad: nothing twice
+
+
+def saved_after(loader: aioloader.Loader, batches: int) -> dict[str, object]:
+    """The loader's state after `batches` batches, as it will be stored: through JSON."""
+    for taken, _ in enumerate(loader, 1):
+        if taken == batches:
+            break
+    return dict(json.loads(json.dumps(loader.state_dict())))
+
+
+def test_a_state_of_another_dataset_with_a_file_fewer_is_refused_naming_what_differs(
+    local_paths: list[str],
+) -> None:
+    """A position means a sample only in the data it was saved for: in a list a file
+    shorter, it would resume other samples, silently."""
+
+    def make(paths: list[str]) -> aioloader.Loader:
+        return aioloader.Loader(aioloader.Files(paths), decode=index_and_noise, batch_size=8,
+                                shuffle=True, num_workers=0)
+
+    state = saved_after(make(local_paths), 2)
+    fewer = make(local_paths[:-1])
+    count = len(local_paths)
+    with pytest.raises(aioloader.LoaderError,
+                       match=rf"saved for other data: length {count}, now {count - 1}; urls "):
+        fewer.load_state_dict(state)
+    with pytest.raises(aioloader.LoaderError, match=r"saved for other data: urls [0-9a-f]{16}, "):
+        make(local_paths[::-1]).load_state_dict(state)  # the same files in another order
+    make(local_paths).load_state_dict(state)
+    del state["dataset"]  # as an older version saved it: nothing to check against
+    fewer.load_state_dict(state)
+
+
+def write_tar(path: Path, first: int, count: int) -> str:
+    with tarfile.open(path, "w") as tar:
+        for i in range(first, first + count):
+            info = tarfile.TarInfo(f"{i:05d}.txt")
+            info.size = 4
+            tar.addfile(info, io.BytesIO(b"%04d" % i))
+    return str(path)
+
+
+def test_a_tar_state_resumed_over_the_shards_in_another_order_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The epoch's sequence comes from the shards' sample counts in order: shards listed
+    otherwise (a glob sorted differently) give other samples at the same positions."""
+    shards = [write_tar(tmp_path / f"s{n}.tar", 100 * n, size)
+              for n, size in enumerate([10, 10, 10, 20])]
+
+    def make(urls: list[str]) -> aioloader.Loader:
+        return aioloader.Loader(aioloader.TarShards(urls, index_dir=tmp_path / "index"),
+                                batch_size=5, shuffle=True, num_workers=0)
+
+    state = saved_after(make(shards), 3)
+    with pytest.raises(aioloader.LoaderError,
+                       match=r"saved for other data: unit_sizes \w{16}, now \w{16};"):
+        make(shards[::-1]).load_state_dict(state)
+    with pytest.raises(aioloader.LoaderError,
+                       match=r"samples 50, now 30; units 4, now 3; unit_sizes "):
+        make(shards[:3]).load_state_dict(state)
+    make(shards).load_state_dict(state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import tarfile
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 import aioloader
 from aioloader._datasets.indexed import _runs
-from aioloader._datasets.tarshards import expand_braces
+from aioloader._datasets.tarshards import INDEX_SUFFIX, expand_braces, index_document
 from aioloader._tar import TarFormatError, samples, tar_members
 from aioloader.testing import Nginx, TestServer
 
@@ -358,3 +359,66 @@ def test_long_names_over_a_mebibyte_are_refused() -> None:
     data = member("././@LongLink", b"", tarfile.GNUTYPE_LONGNAME, size=(1 << 20) + 1)
     with pytest.raises(TarFormatError, match=r"^s\.tar: .* over the limit of 1048576 bytes"):
         parse(data)
+
+
+def index_beside(shard: Path, starts: list[int]) -> None:
+    """An index beside `shard` as `aioloader pack` writes it, with the given starts."""
+    Path(str(shard) + INDEX_SUFFIX).write_text(
+        index_document(shard.name, starts, shard.stat().st_size))
+
+
+def true_starts(shard: Path, first: str = ".jpg") -> list[int]:
+    """Where each sample's first file (named `*first`) starts."""
+    with tarfile.open(shard) as tar:
+        return [m.offset for m in tar.getmembers() if m.name.endswith(first)]
+
+
+def test_an_index_whose_starts_skip_sample_0_is_refused_naming_the_shard(
+    tmp_path: Path,
+) -> None:
+    """Reads start at the index's first start: sample 0 before it was never read, and the
+    epoch one sample short, without a word."""
+    write_shards(tmp_path, shards=1)
+    shard = tmp_path / "shard-000.tar"
+    starts = true_starts(shard)
+    index_beside(shard, starts[1:])
+    with pytest.raises(
+        TarFormatError,
+        match=rf"shard-000\.tar\.index\.json: its first sample starts at byte {starts[1]}, "
+        r"but the shard holds sample 'train/00000' at byte 0, which would never be read; "
+        r"the index does not fit the shard: remove it",
+    ):
+        aioloader.TarShards(str(shard), index_dir=tmp_path / "kept")
+    index_beside(shard, [starts[0] + 100, *starts[1:]])
+    with pytest.raises(TarFormatError, match=r"sample 0 starts at byte 100, where no tar "):
+        aioloader.TarShards(str(shard), index_dir=tmp_path / "kept")
+    index_beside(shard, starts)
+    assert len(aioloader.TarShards(str(shard), index_dir=tmp_path / "kept")) == 10
+
+
+def test_files_webdataset_passes_over_may_come_before_the_first_start(tmp_path: Path) -> None:
+    """The check of what lies before the first start refuses samples there, not metadata."""
+    write_shard(tmp_path / "meta.tar", [("__index__", b"x" * 700), ("a.txt", b"a"),
+                                        ("b.txt", b"b")])
+    shard = tmp_path / "meta.tar"
+    starts = true_starts(shard, ".txt")
+    assert starts[0] > 0
+    index_beside(shard, starts)
+    assert [s["__key__"] for s in read_samples(str(shard))] == ["a", "b"]
+
+
+def test_a_kept_index_that_skips_samples_is_made_again_by_reading_the_shard(
+    tmp_path: Path,
+) -> None:
+    """An index in the index folder is aioloader's own cache: one that does not fit its shard
+    (the shard rewritten at the same size) is replaced, not an error."""
+    write_shards(tmp_path, shards=1)
+    shard = tmp_path / "shard-000.tar"
+    kept = tmp_path / "kept"
+    assert len(aioloader.TarShards(str(shard), index_dir=kept)) == 10
+    [document] = kept.glob("*.json")
+    document.write_text(index_document(str(shard), true_starts(shard)[3:],
+                                       shard.stat().st_size))
+    shards = aioloader.TarShards(str(shard), index_dir=kept)
+    assert len(shards) == 10
+    assert json.loads(document.read_text())["starts"] == true_starts(shard)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
@@ -17,10 +18,59 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._errors import LoaderError
 from .._sampling import epoch_order, get_shard_info
 
 
-class Dataset(abc.ABC):
+class Described:
+    """What a loader's state records of its data, and the check of a state made for other
+    data: the same position in other data (a file fewer, another order) would resume other
+    samples, silently. One mechanism for every kind of data, mixtures included."""
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """What a saved position means depends on (lengths, sizes, a digest of the keys):
+        small, JSON-serialisable, made without I/O. None: nothing to check."""
+        return None
+
+    def state_changes(self, saved: Any) -> list[str]:
+        """What differs between this data and a state's fingerprint of the data it was saved
+        for, in words; empty when it fits."""
+        return differences(saved, self.fingerprint())
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse a state saved for other data, naming what differs. A state without a
+        fingerprint (its "dataset" entry: saved by an older version) is accepted."""
+        saved = state.get("dataset", state.get("mixture"))  # where a Mix kept it before
+        if saved is None:
+            return
+        changes = self.state_changes(saved)
+        if changes:
+            raise LoaderError("this state was saved for other data: " + "; ".join(changes)
+                              + "; resuming would not continue the saved run")
+
+
+def differences(saved: Any, now: dict[str, Any] | None) -> list[str]:
+    """Field by field, how a fingerprint of now differs from a saved one."""
+    if now is None:
+        return []
+    if not isinstance(saved, Mapping):
+        return [f"its description {saved!r} is not one state_dict() gave"]
+    if set(saved) != set(now):
+        return [f"it was described by {sorted(saved)}, this data by {sorted(now)}"]
+    return [f"{name} {saved[name]}, now {value}" for name, value in now.items()
+            if saved[name] != value]
+
+
+def digest(*parts: npt.NDArray[Any] | str) -> str:
+    """A short digest of arrays' contents (and strings), as a fingerprint keeps it."""
+    hashed = hashlib.sha256()
+    for part in parts:
+        hashed.update(part.encode() if isinstance(part, str) else
+                      np.ascontiguousarray(part).data)
+    return hashed.hexdigest()[:16]
+
+
+class Dataset(Described, abc.ABC):
     """Subclass with `__len__` and `async def fetch(index)`; fetch runs in the event loop.
 
     `fetch` should only await I/O (use `aioloader.storage.read` to share the loader's
@@ -63,8 +113,12 @@ class Dataset(abc.ABC):
         """A name for the sample at `index`, used in error messages."""
         return str(index)
 
+    def fingerprint(self) -> dict[str, Any] | None:
+        """The length; override to add what defines the order (a digest of the keys)."""
+        return {"length": len(self)}
 
-class Stream(abc.ABC):
+
+class Stream(Described, abc.ABC):
     """Streaming (iterable) data: subclass with `def __aiter__` (an async generator) yielding
     raw items, which go through the same decode pool, batching and prefetch as map-style data.
 

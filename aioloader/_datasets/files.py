@@ -52,6 +52,13 @@ class Files(Dataset):
     def key(self, index: int) -> str:
         return self._urls[index]
 
+    def fingerprint(self) -> dict[str, Any]:
+        """The length and a digest of the URLs in order: another list of as many files, or
+        the same in another order (a listing that sorts otherwise), would resume other
+        samples. The same files moved elsewhere differ too: a state's "dataset" entry,
+        removed, resumes them."""
+        return {"length": len(self), "urls": self._urls.digest()}
+
     async def fetch(self, index: int) -> Any:
         data = await storage.read(self._urls[index])
         if self._labels is None:

@@ -27,7 +27,7 @@ from .._sampling import (
     get_shard_info,
 )
 from ..storage import _storage as storage
-from .base import Stream
+from .base import Stream, digest
 from .streaming import ordered_ahead
 
 MIN_PIECE = 256
@@ -82,6 +82,12 @@ class IndexedStream(Stream):
         sample = sequence.ids(at, at + 1)
         unit = int(sequence.unit_of(sample)[0])
         return unit, int(sample[0] - sequence.offsets[unit])
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Samples, units and a digest of the units' sizes: the epoch's sequence and what a
+        saved state's intervals mean depend on them (a shard fewer, or one rewritten)."""
+        sizes = np.ascontiguousarray(self.unit_sizes, np.int64)
+        return {"samples": int(sizes.sum()), "units": len(sizes), "unit_sizes": digest(sizes)}
 
     def state_after(self, info: ShardInfo, done: int) -> Intervals:
         """The positions of the epoch's sequence no rank has taken once each took `done`."""

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import numpy as np
 import numpy.typing as npt
 
+from .base import digest
+
 
 class KeyTable:
     """An immutable sequence of str stored as UTF-8 bytes plus end offsets."""
@@ -25,6 +27,10 @@ class KeyTable:
         index %= len(self)
         start = int(self._ends[index - 1]) if index else 0
         return self._data[start : int(self._ends[index])].tobytes().decode("utf-8")
+
+    def digest(self) -> str:
+        """The keys in order, digested (for a fingerprint)."""
+        return digest(self._data, self._ends)
 
     @property
     def nbytes(self) -> int:

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from .._errors import LoaderError
 from .._sampling import ShardInfo, Spawn, call_with_shard_info, epoch_order, get_shard_info
 from ..storage import _storage as storage
-from .base import Dataset, Stream
+from .base import Dataset, Described, Stream
 from .streaming import ordered_ahead
 
 BLOCK = 1 << 16
@@ -168,7 +168,7 @@ def normalised(names: Sequence[str], weights: Sequence[float]) -> list[float]:
     return [weight / total for weight in scaled]
 
 
-class _Mixture:
+class _Mixture(Described):
     """What both kinds of mixture tell about themselves: shares drawn, and a description a
     saved state is checked against."""
 
@@ -182,32 +182,39 @@ class _Mixture:
         pass."""
         return [None if isinstance(s, Stream) else len(s) for s in self._mix.sources]
 
-    def fingerprint(self) -> dict[str, dict[str, Any]]:
-        """Each source (in draw order) with its weight and length: what a saved position means
-        depends on them. JSON-serialisable, kept in the loader's state."""
-        return {name: {"weight": weight, "length": length} for name, weight, length in
-                zip(self._mix.names, self._mix.weights, self._lengths(), strict=True)}
+    def fingerprint(self) -> dict[str, Any]:
+        """Each source (in draw order) with its weight, its length and its own fingerprint:
+        what a saved position means depends on them."""
+        described: dict[str, Any] = {}
+        for name, weight, length, source in zip(self._mix.names, self._mix.weights,
+                                                self._lengths(), self._mix.sources, strict=True):
+            described[name] = {"weight": weight, "length": length}
+            inner = source.fingerprint()
+            if inner is not None:
+                described[name]["dataset"] = inner
+        return described
 
-    def check_state(self, state: Mapping[str, Any]) -> None:
-        """Refuse a state saved for another mixture (other sources, weights or lengths): its
-        position would resume other draws, silently. A state without a description (saved
-        before mixtures kept one) is accepted."""
-        saved = state.get("mixture")
-        if saved is None:
-            return
+    def state_changes(self, saved: Any) -> list[str]:
+        """Other sources, weights (to rounding: `[6, 3, 1]` and `[0.6, 0.3, 0.1]` are the same
+        weights), lengths, or a source's own data; a state saved before sources described
+        themselves is checked on the rest."""
+        if not (isinstance(saved, Mapping) and all(
+                isinstance(was, Mapping) and "weight" in was for was in saved.values())):
+            return [f"it was not saved for a mixture, but for data described by {saved!r}"]
         if list(saved) != self._mix.names:
-            raise LoaderError(f"this state was saved for a mixture of the sources {list(saved)}, "
-                              f"not {self._mix.names}: it cannot resume this one")
+            return [f"a mixture of the sources {list(saved)}, not {self._mix.names}"]
         changes = []
-        for (name, was), weight, length in zip(saved.items(), self._mix.weights, self._lengths(),
-                                               strict=True):
+        for (name, was), weight, length, source in zip(saved.items(), self._mix.weights,
+                                                       self._lengths(), self._mix.sources,
+                                                       strict=True):
             if not math.isclose(was["weight"], weight, rel_tol=1e-9):
                 changes.append(f"source {name!r} had weight {was['weight']:.6g}, now {weight:.6g}")
-            if was["length"] != length:
-                changes.append(f"source {name!r} had {was['length']} samples, now {length}")
-        if changes:
-            raise LoaderError("this state was saved for another mixture: " + "; ".join(changes)
-                              + "; resuming would not continue the saved run")
+            if was.get("length") != length:
+                changes.append(f"source {name!r} had {was.get('length')} samples, now {length}")
+            elif "dataset" in was:
+                changes += [f"source {name!r}: {change}"
+                            for change in source.state_changes(was["dataset"])]
+        return changes
 
 
 class MixDataset(_Mixture, Dataset):

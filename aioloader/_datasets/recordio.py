@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +25,7 @@ from ..recordio import (
     read_index,
 )
 from ..storage import _storage as storage
-from .base import Dataset
+from .base import Dataset, digest
 from .keys import KeyTable
 
 
@@ -87,6 +88,12 @@ class RecordIO(Dataset):
 
     def key(self, index: int) -> str:
         return f"{self.urls[self._file[index]]}#{self._keys[index]}"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The length and a digest of each record's file, place and key: what a position
+        means, wherever the files are."""
+        return {"length": len(self),
+                "records": digest(self._file, self._start, self._end, self._keys.digest())}
 
     async def fetch(self, index: int) -> bytes:
         url = self.urls[self._file[index]]

@@ -14,7 +14,7 @@ import numpy as np
 from .._loopthread import run_sync
 from .._sampling import ShardInfo, epoch_order, get_shard_info
 from ..storage import _storage as storage
-from .base import Stream
+from .base import Stream, digest
 from .streaming import expand_braces, ordered_ahead
 
 _FILE_ORDER = 5
@@ -67,6 +67,12 @@ class StreamBatches(Stream):
     def __len__(self) -> int:
         """Items this rank reads in an epoch."""
         return self.steps(get_shard_info()) * self.batch_size
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Files, bytes and a digest of the files' sizes: where each segment lies depends on
+        them."""
+        return {"files": len(self.sizes), "bytes": sum(self.sizes),
+                "sizes": digest(np.array(self.sizes, np.int64))}
 
     def key(self, item: Any, position: int) -> str:
         step, j = divmod(position, self.batch_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -18,7 +19,15 @@ import numpy as np
 from .._errors import FetchError
 from .._loopthread import run_sync
 from .._runtime.blocking import off_loop
-from .._tar import MAX_MEMBER_BYTES, TarFormatError, sample_starts, samples, tar_members
+from .._tar import (
+    BLOCK,
+    MAX_MEMBER_BYTES,
+    TarFormatError,
+    sample_starts,
+    samples,
+    split_name,
+    tar_members,
+)
 from ..storage import _storage as storage
 from .indexed import IndexedStream
 from .streaming import expand_braces
@@ -27,6 +36,8 @@ INDEX_SUFFIX = ".index.json"
 """A shard's index beside it: `train-000.tar.index.json`, written by `aioloader pack`."""
 INDEX_FORMAT = "aioloader-tar-index"
 SCANS_AT_ONCE = 8
+_NOT_THIS_SHARD = ("the index does not fit the shard: remove it to have the shard indexed "
+                   "by reading it, or write it again with `aioloader pack`")
 
 
 class TarShards(IndexedStream):
@@ -40,7 +51,9 @@ class TarShards(IndexedStream):
     shards included. That needs an index of where each sample starts in each shard: read from
     `SHARD.index.json` beside the shard when there is one (`aioloader pack` writes it), else
     made by reading each shard once and kept in `index_dir` (default: aioloader's folder in
-    the user's cache), keyed by the shard's URL and size.
+    the user's cache), keyed by the shard's URL and size. An index beside a shard that does
+    not fit it (another size, a start where no tar header lies, samples before its first
+    start) is a TarFormatError naming both; a kept one is made again.
 
     With the Loader's `shuffle=True`, the shard order is shuffled per epoch with the seed, and
     samples are shuffled within windows of `shuffle_buffer` consecutive samples (0 or 1: not
@@ -119,16 +132,24 @@ async def _load_indexes(urls: list[str], folder: Path, max_member_bytes: int) ->
 async def _index(
     reads: storage.Storage, url: str, folder: Path, max_member_bytes: int
 ) -> list[int]:
+    """A shard's sample starts and size. An index beside the shard that does not fit it is
+    an error (it is the user's, shipped with the data: either may be the wrong one, and a
+    scan in its place would turn every construction into a read of the shard); one kept in
+    the index folder is ours, and is made again."""
     size = await reads.size(url)
     try:
         beside = await reads.read(url + INDEX_SUFFIX)
     except (FetchError, OSError):
         beside = None
     if beside is not None:
-        return _parse_index(url + INDEX_SUFFIX, beside, size)
+        starts = _parse_index(url + INDEX_SUFFIX, beside, size)
+        await _check_head(reads, url, url + INDEX_SUFFIX, starts[0], max_member_bytes)
+        return starts
     kept = folder / (hashlib.sha256(url.encode()).hexdigest()[:40] + ".json")
-    with contextlib.suppress(OSError, ValueError):
-        return _parse_index(str(kept), await off_loop(kept.read_bytes), size)
+    with contextlib.suppress(OSError, TarFormatError):
+        starts = _parse_index(str(kept), await off_loop(kept.read_bytes), size)
+        await _check_head(reads, url, str(kept), starts[0], max_member_bytes)
+        return starts
     chunks = reads.stream(url)
     async with aclosing(chunks), aclosing(
         tar_members(chunks, url, max_member_bytes, keep_data=False)
@@ -136,6 +157,35 @@ async def _index(
         starts = await sample_starts(members)
     await off_loop(_keep, kept, index_document(url, starts, size))
     return [*starts, size]
+
+
+async def _check_head(
+    reads: storage.Storage, url: str, index: str, first: int, max_member_bytes: int
+) -> None:
+    """Refuse an index whose first start skips samples: reads start there, so a sample before
+    it would never be read, and nothing else would notice. Where the first start is 0, as in
+    every index that `pack` or a scan makes, nothing is read; else the bytes before it, which
+    may hold only files that WebDataset passes over (`__index__`, names without an
+    extension)."""
+    if first == 0:
+        return
+    skipped = None
+    chunks = reads.stream(url, 0, first)
+    try:
+        async with aclosing(chunks), aclosing(
+            tar_members(chunks, url, max_member_bytes, keep_data=False)
+        ) as members:
+            async for name, _, start in members:
+                parts = split_name(name)
+                if parts is not None:
+                    skipped = f"sample {parts[0]!r} at byte {start}"
+                    break
+    except TarFormatError as e:
+        raise TarFormatError(f"{index}: its first sample starts at byte {first}, where no tar "
+                             f"member starts ({e}); {_NOT_THIS_SHARD}") from None
+    if skipped is not None:
+        raise TarFormatError(f"{index}: its first sample starts at byte {first}, but the shard "
+                             f"holds {skipped}, which would never be read; {_NOT_THIS_SHARD}")
 
 
 def _keep(path: Path, document: str) -> None:
@@ -154,13 +204,32 @@ def index_document(url: str, starts: list[int], size: int) -> str:
 
 
 def _parse_index(where: str, data: bytes, size: int) -> list[int]:
+    """The starts of an index with the shard's size after them, or a TarFormatError naming
+    what does not fit a shard of `size` bytes."""
     try:
         document = json.loads(data)
         starts = [int(s) for s in document["starts"]]
-        valid = document.get("format") == INDEX_FORMAT and all(
-            a < b for a, b in zip(starts, [*starts[1:], size], strict=True))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{where}: not a tar shard index ({e})") from None
-    if not valid or document.get("size") != size or (starts and starts[0] < 0):
-        raise ValueError(f"{where}: the index does not fit the shard of {size} bytes")
+        right = document.get("format") == INDEX_FORMAT
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TarFormatError(f"{where}: not a tar shard index ({type(e).__name__}: {e})"
+                             ) from None
+    if not right:
+        raise TarFormatError(f"{where}: not a tar shard index (format "
+                             f"{document.get('format')!r}, not {INDEX_FORMAT!r})")
+    problem = _misfit(document.get("size"), starts, size)
+    if problem is not None:
+        raise TarFormatError(f"{where}: {problem}; {_NOT_THIS_SHARD}")
     return [*starts, size]
+
+
+def _misfit(made_for: object, starts: list[int], size: int) -> str | None:
+    """Why starts cannot be those of a shard of `size` bytes: a tar header lies at a multiple
+    of 512 bytes, and a sample holds one at least."""
+    if made_for != size:
+        return f"it was made for a shard of {made_for} bytes, not {size}"
+    for n, (start, end) in enumerate(itertools.pairwise([*starts, size])):
+        if start < 0 or start % BLOCK:
+            return f"sample {n} starts at byte {start}, where no tar header lies"
+        if start + BLOCK > end:
+            return f"sample {n} starts at byte {start}, no room for it before byte {end}"
+    return None
