@@ -134,6 +134,7 @@ class Loader(Closing, AsyncClosing):
         self,
         dataset: Dataset | Stream,
         decode: Callable[..., Any] | None = None,
+        *,
         batch_size: int | None = 64,
         shuffle: bool = False,
         seed: int = 0,
