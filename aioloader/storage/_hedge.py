@@ -17,7 +17,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from ._counters import StorageCounters
 
@@ -50,7 +50,7 @@ and a second copy (a Parquet row group, say) would cost as much again."""
 HEDGE_CONNECTIONS = 32
 """Connections a storage keeps beyond its reads in flight, for their hedges."""
 
-Attempt = Callable[[], Coroutine[Any, Any, bytes]]
+T = TypeVar("T")
 
 
 def quantile(values: Iterable[float], q: float) -> float:
@@ -107,7 +107,7 @@ class Hedger:
             return True
         return waited >= PATIENCE * self.delay and self._tokens - 1 >= -DEBT
 
-    async def read(self, attempt: Attempt) -> bytes:
+    async def read(self, attempt: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """`attempt()` (a complete read with its retries), hedged by another each time a
         hedge delay passes without an answer, while the budget allows (at most
         `MAX_ATTEMPTS` in all). The first success wins; it fails only if all fail."""

@@ -10,13 +10,13 @@ import asyncio
 import contextvars
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from .._closing import AsyncClosing
 from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
-from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Attempt, Hedger
+from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Hedger
 from ._interface import Store, StoreSettings
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore, local_path
@@ -150,9 +150,7 @@ class Storage(AsyncClosing):
         large = start is not None and end is not None and end - start > HEDGE_MAX_BYTES
         if self._hedger is None or large:  # a large read is bound by bandwidth, not latency
             return await read()
-        # the hedger hands back what the winning attempt returned, untouched; its type
-        # names bytes, the result of most reads
-        return cast(T, await self._hedger.read(cast(Attempt, read)))
+        return await self._hedger.read(read)
 
     @contextmanager
     def as_current(self) -> Iterator[Storage]:
