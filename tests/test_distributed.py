@@ -69,11 +69,12 @@ def test_torchrun_on_uneven_shards_steps_together_resumes_on_three_ranks_and_sur
     pytest.importorskip("sklearn")
     if format == "parquet":
         pytest.importorskip("pyarrow")
-    subprocess.run(
+    job = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "distributed_tar_shards.py"),
          "--out", str(tmp_path), "--format", format, "--service", service],
-        check=True, timeout=400, capture_output=True,
+        timeout=400, capture_output=True, text=True,
     )
+    assert job.returncode == 0, f"the job failed:\n{job.stdout[-3000:]}\n{job.stderr[-6000:]}"
 
     def seen(world_size: int) -> list[dict[str, list[int]]]:
         return [json.loads((tmp_path / f"ranks-{world_size}-rank-{r}.json").read_text())["seen"]

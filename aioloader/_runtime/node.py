@@ -250,10 +250,13 @@ def locked(path: str | Path, wait: float = START_TIMEOUT) -> Iterator[None]:
                             f"{path} stayed locked for {wait:g} s: another rank is starting "
                             "the node's loader service") from None
                     time.sleep(0.02)
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
-                    yield
-                    return
+            try:
+                same = os.stat(path).st_ino == os.fstat(descriptor).st_ino
+            except FileNotFoundError:
+                same = False  # removed by its holder meanwhile
+            if same:
+                yield
+                return
         finally:
             os.close(descriptor)
 
