@@ -57,7 +57,7 @@ class Files(Dataset):
         the same in another order (a listing that sorts otherwise), would resume other
         samples. The same files moved elsewhere differ too: a state's "dataset" entry,
         removed, resumes them."""
-        return {"length": len(self), "urls": self._urls.digest()}
+        return {"length": len(self), "urls": self._urls.digest}
 
     async def fetch(self, index: int) -> Any:
         data = await storage.read(self._urls[index])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -28,8 +29,10 @@ class KeyTable:
         start = int(self._ends[index - 1]) if index else 0
         return self._data[start : int(self._ends[index])].tobytes().decode("utf-8")
 
+    @functools.cached_property
     def digest(self) -> str:
-        """The keys in order, digested (for a fingerprint)."""
+        """The keys in order, digested (for a fingerprint), once: the table never changes,
+        and a state_dict() each step paid 23 ms for 1.28M keys."""
         return digest(self._data, self._ends)
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -92,8 +93,12 @@ class RecordIO(Dataset):
     def fingerprint(self) -> dict[str, Any]:
         """The length and a digest of each record's file, place and key: what a position
         means, wherever the files are."""
-        return {"length": len(self),
-                "records": digest(self._file, self._start, self._end, self._keys.digest())}
+        return {"length": len(self), "records": self._records_digest}
+
+    @functools.cached_property
+    def _records_digest(self) -> str:
+        """Made once: the index never changes after construction."""
+        return digest(self._file, self._start, self._end, self._keys.digest)
 
     async def fetch(self, index: int) -> bytes:
         url = self.urls[self._file[index]]
