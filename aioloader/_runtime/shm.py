@@ -157,15 +157,18 @@ def sweep_dead() -> list[int]:
     if not os.path.isdir(SHM_DIR):
         return []
     uid, swept = os.getuid(), []
-    owners = {int(parts[1]) for parts in (name.split("-", 2) for name in os.listdir(SHM_DIR))
-              if len(parts) == 3 and parts[0] == "aioloader" and parts[1].isdigit()}
-    for pid in sorted(owners):
+    owned: dict[int, list[str]] = {}
+    for name in os.listdir(SHM_DIR):
+        parts = name.split("-", 2)
+        if len(parts) == 3 and parts[0] == "aioloader" and parts[1].isdigit():
+            owned.setdefault(int(parts[1]), []).append(name)
+    for pid, names in sorted(owned.items()):
         if not _gone(pid):
             continue  # alive (or a pid reused since: left alone, as the owner may be alive)
-        mine = [name for name in os.listdir(SHM_DIR) if name.startswith(prefix(pid))]
         with contextlib.suppress(FileNotFoundError):
-            if mine and all(os.stat(os.path.join(SHM_DIR, n)).st_uid == uid for n in mine):
-                remove_leftovers(pid)
+            if all(os.stat(os.path.join(SHM_DIR, n)).st_uid == uid for n in names):
+                for name in names:
+                    unlink(name)
                 swept.append(pid)
     return swept
 
