@@ -69,10 +69,6 @@ class Shutdown:
         self._finalizer.atexit = False  # `_at_exit` runs it, after the reaper stopped
         _pending.add(self)
 
-    @property
-    def alive(self) -> bool:
-        return self._finalizer.alive
-
     def __call__(self) -> None:
         """Run the work here and now, unless it ran or was handed to the reaper already."""
         if self._finalizer.detach() is not None:
