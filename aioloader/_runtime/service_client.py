@@ -186,7 +186,7 @@ class ServiceClient(ProcessBound):
             self.broken = "it stopped answering"
             raise self._silent(heard)
         if time.monotonic() - started > self._timeout:
-            raise self._silent(started)
+            raise self._stalled(started)
 
     def stop(self, wait: bool = True) -> None:
         """End the pass before its end: the batches already sent are dropped (their blocks
@@ -281,7 +281,7 @@ class ServiceClient(ProcessBound):
                 with self._arrived:
                     self._arrived.wait_for(ready, 0.05)
             if time.monotonic() - started > self._timeout:
-                raise self._silent(started)
+                raise self._stalled(started)
 
     def _dispatch(self, started: float) -> None:
         self._check_usable()
@@ -310,6 +310,12 @@ class ServiceClient(ProcessBound):
          else self._stream.append(message))
         with self._arrived:
             self._arrived.notify_all()
+
+    def _stalled(self, started: float) -> LoaderError:
+        """Its heartbeat went on, but neither a batch nor its watchdog's error came."""
+        return LoaderError(f"the loader service (pid {self.pid}) sent no answer for "
+                           f"{time.monotonic() - started:.0f} s though it still lives: its "
+                           "watchdog (stall_timeout) did not report")
 
     def _silent(self, started: float) -> LoaderError:
         return LoaderError(f"the loader service (pid {self.pid}) sent nothing for "
