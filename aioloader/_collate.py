@@ -10,6 +10,17 @@ import numpy as np
 Allocate = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray[Any, Any]]
 
 
+class Stacked:
+    """In place of a sample's array that is already in its row of the batch array: collate
+    takes that batch array (one marker, shared by every sample, for each array of the sample).
+    A decode process stacks rows as samples come, so it holds one sample, not a batch."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: np.ndarray[Any, Any]) -> None:
+        self.batch = batch
+
+
 def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) -> Any:
     """Stack arrays and scalars along a new first axis, recursing into dicts and sequences.
 
@@ -24,11 +35,14 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
     first = samples[0]
+    if isinstance(first, Stacked):
+        return first.batch
     if isinstance(first, np.ndarray):
-        _check_same_shapes(samples)
+        check_same_shapes(samples)
         if allocate is None:
             return np.stack(samples)
-        return np.stack(samples, out=allocate((len(samples), *first.shape), first.dtype))
+        dtype = np.result_type(*samples)  # as without `allocate`: widened, never cut
+        return np.stack(samples, out=allocate((len(samples), *first.shape), dtype))
     scalar_type = _scalar_dtype(first)
     if scalar_type is not None:
         types = {_scalar_dtype(s) for s in samples}
@@ -49,7 +63,7 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
     if (isinstance(first, (tuple, list)) and not hasattr(first, "_fields")
             and any(len(s) != len(first) for s in samples)):
         raise ValueError("each sample in a batch must have the same number of fields")
-    collated = _by_field(samples, lambda part: default_collate(part, allocate))
+    collated = by_field(samples, lambda part: default_collate(part, allocate))
     if collated is NotImplemented:
         raise TypeError(
             f"default_collate does not know how to batch {type(first).__name__}; "
@@ -64,20 +78,20 @@ def concatenate(batches: Sequence[Any], allocate: Allocate | None = None) -> Any
     parts, by every decode process at once); `allocate` as for `default_collate`."""
     first = batches[0]
     if isinstance(first, np.ndarray):
-        _check_same_shapes([batch[0] for batch in batches])  # one sample of each part
+        check_same_shapes([batch[0] for batch in batches])  # one sample of each part
         if allocate is None:
             return np.concatenate(batches)
         shape = (sum(len(batch) for batch in batches), *first.shape[1:])
         return np.concatenate(batches, out=allocate(shape, np.result_type(*batches)))
     if isinstance(first, list) and all(isinstance(v, (str, bytes)) for v in first):
         return [value for batch in batches for value in batch]
-    joined = _by_field(batches, lambda part: concatenate(part, allocate))
+    joined = by_field(batches, lambda part: concatenate(part, allocate))
     if joined is NotImplemented:
         raise TypeError(f"cannot join batches of {type(first).__name__}")
     return joined
 
 
-def _by_field(values: Sequence[Any], combine: Callable[[Sequence[Any]], Any]) -> Any:
+def by_field(values: Sequence[Any], combine: Callable[[Sequence[Any]], Any]) -> Any:
     """Dicts, namedtuples, tuples or lists of one structure (samples, or batches), as that
     structure of `combine` over each field's values; NotImplemented for anything else."""
     first = values[0]
@@ -104,7 +118,7 @@ def _scalar_dtype(value: Any) -> np.dtype[Any] | None:
     return None
 
 
-def _check_same_shapes(arrays: Sequence[np.ndarray[Any, Any]]) -> None:
+def check_same_shapes(arrays: Sequence[np.ndarray[Any, Any]]) -> None:
     shapes = {a.shape for a in arrays}
     if len(shapes) > 1:
         raise ValueError(

@@ -473,7 +473,8 @@ class Loader(Closing, AsyncClosing):
             running = loop.call(self._open_pass(), bound, "new pass")
             try:
                 while (item := loop.call(running.next(), bound, "batch")) is not END:
-                    yield item
+                    box, item = [item], None
+                    yield box.pop()  # held by the trainer alone: `del batch` frees its block
             except BaseException:  # a failure, a `break`: that is what the caller sees
                 if loop.alive():  # not so for an iterator collected at interpreter exit
                     with contextlib.suppress(LoaderError):
@@ -495,7 +496,8 @@ class Loader(Closing, AsyncClosing):
                 if got is None:
                     finished = True
                     return
-                yield self._served(got, asked)
+                box, got = [self._served(got, asked)], None
+                yield box.pop()  # held by the trainer alone: `del batch` frees its block
         finally:
             self._service_pass_over(client, finished)
 

@@ -35,6 +35,7 @@ from ._errors import LoaderError
 from ._loopthread import new_event_loop
 from ._runtime import autotune, node, shm
 from ._runtime.blocking import off_loop
+from ._runtime.budget import MemoryBudget
 from ._runtime.channel import dumps, frame, read_message
 from ._runtime.decode import one_line
 from ._runtime.decoders import Decoder, PoolDecoder, SharedDecoder
@@ -59,7 +60,6 @@ class NodeShare:
         self.node = node = PassFactory(dataclasses.replace(
             config, service=None, rank=0, world_size=1, persistent_workers=True,
             shared_memory=False), export=True)
-        self.memory_per_rank = max(1, config.memory_limit // ranks)
         self.disk_cache = node.disk_cache
         self.counters = node.stats.storage
         self.reads = autotune.ReadLimit(config.concurrency)
@@ -67,7 +67,8 @@ class NodeShare:
         self.blocks: BlockPool | None = None
         if config.shared_memory and shm.available():
             self.blocks = BlockPool(max_blocks=ranks * node.blocks_per_pass(),
-                                    max_bytes=config.memory_limit, export=True)
+                                    max_idle=config.memory_limit, export=True)
+        self.budget = MemoryBudget(config.memory_limit, self.blocks)
         self._decoder = self._pool_decoder()
 
     def decoder(self) -> SharedDecoder:
@@ -218,7 +219,7 @@ class _Node:
 
     async def _rank_factory(self, init: ServiceInit) -> PassFactory:
         """A rank's passes: its own epochs, position and division; the node's reads,
-        storage, decode processes and blocks, and its share of the node's memory limit."""
+        storage, decode processes, blocks and memory limit."""
         if self._share is None:
             init.environment.take_on()
             config: LoaderConfig = pickle.loads(init.code)
@@ -232,9 +233,8 @@ class _Node:
                 f"{self._fingerprint[:12]}, this rank's is {init.fingerprint[:12]})")
         else:  # a large dataset takes a while: the other ranks' passes go on meanwhile
             config = await off_loop(pickle.loads, init.code)
-        return PassFactory(dataclasses.replace(config, service=None,
-                                               memory_limit=self._share.memory_per_rank),
-                           export=True, share=self._share)
+        return PassFactory(dataclasses.replace(config, service=None), export=True,
+                           share=self._share)
 
     def _take_removed(self, key: int) -> list[str]:
         """Blocks unlinked since rank `key` was last told: every rank is told of each."""

@@ -93,6 +93,12 @@ class Service:
         self._writer: asyncio.StreamWriter | None = None
         self._credits = asyncio.Semaphore(0)
         self._pass: asyncio.Task[None] | None = None
+        self._running: Pass | None = None
+        """The pass `_pass` runs, once open."""
+        self._sent_in_pass = 0
+        self._client_waits = False
+        """The client waits for a batch, none being on its way: the pass's next batch may
+        be decoded past the memory limit."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = 0
 
@@ -136,12 +142,17 @@ class Service:
             if self._own_process:
                 environment.take_on()
             self._credits = asyncio.Semaphore(ahead)
+            self._sent_in_pass, self._client_waits = 0, False
             self._pass = asyncio.get_running_loop().create_task(
                 self._run_pass(epoch, start, remaining))
             return
         self._release(message[1])
         if kind == "take":
             self._credits.release()
+        elif kind == "waiting" and message[2] >= self._sent_in_pass:
+            self._client_waits = True
+            if self._running is not None:
+                self._running.hurry()
         elif kind == "stop":
             await self._stop()
             self._send(("stopped", self._stats()))
@@ -149,14 +160,17 @@ class Service:
             self._send(("stats", self._stats()))
 
     async def _run_pass(self, epoch: int, start: int, remaining: Any) -> None:
-        running = await self._open_or_report(epoch, start, remaining)
+        running = self._running = await self._open_or_report(epoch, start, remaining)
         if running is None:
             return
         try:
             while True:
                 await self._credits.acquire()
                 try:
-                    if not self._hand_over(await running.next(), running):
+                    item = await running.next(waits=self._client_waits)
+                    self._client_waits = False
+                    handed, item = self._hand_over(item, running), None  # the block is the
+                    if not handed:  # client's alone now: released when the client says so
                         return
                 except Exception as e:  # the pass's failure, or a batch that cannot travel
                     self._send(("error", *_portable(e), self._stats()))
@@ -164,6 +178,7 @@ class Service:
                 assert self._writer is not None
                 await self._writer.drain()
         finally:
+            self._running = None
             await running.aclose()
             self._tell_removed()  # blocks the pass's close removed: the client unmaps them now
 
@@ -179,6 +194,7 @@ class Service:
             blocks.hold(item.name)  # the client's, until it releases it
             self._sent[item.name] += 1
         self._write(data)
+        self._sent_in_pass += 1
         return True
 
     async def _open_or_report(self, epoch: int, start: int, remaining: Any) -> Pass | None:

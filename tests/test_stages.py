@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from aioloader._errors import LoaderError, SampleError, StallError, WorkerDiedError
+from aioloader._runtime.budget import MemoryBudget
 from aioloader._runtime.decode import join_results
 from aioloader._runtime.decoders import PER_PROCESS, PoolDecoder, Recovery
 from aioloader._runtime.handover import Handover
@@ -171,16 +172,20 @@ def make_pass(
     stall_timeout: float = 600.0,
     storage: FakeStorage | None = None,
     start_chunks: int = 8,
+    sample_bytes: float | None = 0.0,
 ) -> Pass:
-    """A pass as the loader's `_build_pass` makes one, over the fakes."""
+    """A pass as the loader's `_build_pass` makes one, over the fakes. `sample_bytes`: what
+    earlier passes learnt a decoded sample holds (None: nothing, as in a loader's first)."""
     config = PassConfig(
         epoch=0, batch_size=BATCH, steps_per_chunk=1, ordered=ordered, skip_errors=False,
         memory_limit=memory_limit, read_ahead=1000, decode_window=decode_window,
         stall_timeout=stall_timeout, start_chunks=start_chunks,
     )
+    budget = MemoryBudget(memory_limit)
+    budget.sample_bytes = sample_bytes
     return Pass(config, source, decoder, None, LoaderStats(),
                 storage or FakeStorage(),  # type: ignore[arg-type]
-                lambda start_task: start_task())
+                lambda start_task: start_task(), budget=budget)
 
 
 async def take(running: Pass, count: int) -> list[Any]:
@@ -282,6 +287,25 @@ async def test_decode_window_bounds_the_chunks_decoding_while_the_consumer_waits
             await settle()
         assert decoder.most_running == window
         assert await asyncio.wait_for(running.next(), WAIT) is END
+    finally:
+        await asyncio.wait_for(running.aclose(), WAIT)
+
+
+async def test_a_first_pass_decodes_one_chunk_until_it_knows_what_a_chunk_holds() -> None:
+    source, decoder = FakeSource(6), FakeDecoder()
+    for c in range(6):
+        decoder.gates[c] = asyncio.Event()
+    running = make_pass(source, decoder, decode_window=4, sample_bytes=None)
+    await running.start()
+    try:
+        await until(lambda: len(decoder.running) == 1)
+        await settle()
+        assert list(decoder.running) == [0]  # the others wait to learn what a decoded chunk holds
+        decoder.gates[0].set()
+        await until(lambda: len(decoder.running) == 3)  # then a window at once, within the room
+        for c in range(6):
+            decoder.gates[c].set()
+        assert await take(running, 6) == [("batch", c) for c in range(6)]
     finally:
         await asyncio.wait_for(running.aclose(), WAIT)
 

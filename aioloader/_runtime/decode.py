@@ -5,9 +5,10 @@ shared memory, and `get_worker_info()` for code running in a decode process. Eve
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from .._cache import CachedSample, SharedCache
-from .._collate import concatenate, default_collate
+from .._collate import Stacked, by_field, check_same_shapes, concatenate, default_collate
 from .._sampling import sample_rng
 from .._stats import now
 from . import transport
-from .messages import Chunk, ChunkResult
+from .messages import Chunk, ChunkResult, Layout
 
 
 @dataclass(frozen=True)
@@ -133,11 +134,16 @@ def run_chunk(
     spec: DecodeSpec, chunk: Chunk, allocate: transport.BlockAllocator | None = None
 ) -> ChunkResult:
     """Decode every raw item of a chunk, then collate them (into `allocate`'s shared memory
-    when given and the collate is the default one); errors become data, not raises."""
+    when given and the collate is the default one: row by row, as samples come); errors
+    become data, not raises."""
     info = _worker_info
     result = ChunkResult([], [], process="inline" if info is None else f"decode {info.id}")
     samples: list[Any] = list(chunk.raws) if spec.passes_through else []
-    for position, outcome in enumerate([] if spec.passes_through else _outcomes(spec, chunk)):
+    rows = (Rows(chunk, allocate)
+            if allocate is not None and spec.collate is default_collate and not samples else None)
+    position = -1  # counted here: enumerate's reused tuple would hold the last sample
+    for outcome in [] if spec.passes_through else _outcomes(spec, chunk):
+        position += 1
         if isinstance(outcome, _Failure):
             if not spec.skip_errors:
                 result.failure = (chunk.indices[position], outcome.reason, outcome.traceback)
@@ -145,24 +151,179 @@ def run_chunk(
             result.skipped.append((position, outcome.reason))
             continue
         sample, started, ended = outcome
-        samples.append(sample)
         result.durations.append(ended - started)
         first, last = result.span or (started, ended)
         result.span = min(first, started), max(last, ended)
-    if spec.collate is None or not samples:
-        result.items = samples
-        return result
+        if rows is None:
+            samples.append(sample)
+            continue
+        try:
+            rows.add(sample)
+        except (transport.NoRoom, transport.NoSpace) as e:  # the first sample: the block
+            result.no_space = isinstance(e, transport.NoSpace)  # cannot hold the batch
+            rows = None
+            samples.append(sample)
+        except Widened:  # collated as a list after all, to the wider dtype
+            samples = [*rows.samples(), sample]
+            rows = None
+            assert allocate is not None
+            allocate.discard()
+        except Exception as e:
+            result.failure = (None, one_line(e), traceback.format_exc())
+            return result
+        del sample, outcome  # in its row now: not held while the next one is decoded
     try:
-        if allocate is not None and spec.collate is default_collate:
-            try:
+        if rows is not None:
+            if chunk.rows and chunk.layout is None and rows.count:
+                result.layout = rows.layout()
+            result.items = [rows.batch()] if rows.count else []
+            return result
+        if spec.collate is None or not samples:
+            result.items = samples
+            return result
+        if allocate is not None and spec.collate is default_collate and not chunk.rows:
+            try:  # (a part's block holds the other parts' rows: never collated into)
                 result.items = [default_collate(samples, allocate)]
                 return result
             except transport.NoRoom:
-                allocate.used = 0  # too big for this block: collate as usual, say so
+                allocate.discard()  # too big for this block: collate as usual, say so
         result.items = [spec.collate(samples)]
     except Exception as e:
         result.failure = (None, one_line(e), traceback.format_exc())
     return result
+
+
+class Rows:
+    """`default_collate` of samples given one at a time: each array of a sample is written
+    into its row of a batch array in the lent block as the sample comes, so a decode process
+    holds one decoded sample, not the chunk's (with samples of 50 MiB and batches of two, the
+    batch's samples held beside its block were a third of what the loader used). Arrays are
+    matched by their place in the sample (keys and positions), as collate matches them; the
+    block is sized, or created, at the first sample. What is not an array (numbers, text) is
+    collated at the end, around the rows.
+
+    A part of a pass's first chunk (`chunk.rows`): the first part, one sample, makes the block
+    with a row for every sample of the chunk and says where its arrays lie (`layout`); the
+    others write their samples into their rows of that block, at those places. Their numbers
+    and text stay in the heap, to be joined there."""
+
+    def __init__(self, chunk: Chunk, allocate: transport.BlockAllocator) -> None:
+        self._capacity = chunk.rows or len(chunk.indices)
+        self._first_row = chunk.first_row
+        self._given = dict(chunk.layout) if chunk.layout is not None else None
+        self._part = bool(chunk.rows)
+        self._allocate = allocate
+        self._batches: dict[tuple[Any, ...], Stacked] = {}
+        self._rests: list[Any] = []
+
+    @property
+    def count(self) -> int:
+        return len(self._rests)
+
+    def add(self, sample: Any) -> None:
+        if not self._rests:
+            self._open(sample)
+        row = self._first_row + len(self._rests)
+
+        def into_row(path: tuple[Any, ...], array: np.ndarray[Any, Any]) -> Stacked:
+            stacked = self._batches.get(path)
+            if stacked is None:
+                raise ValueError("the samples of a batch must share one structure: an array "
+                                 f"at {list(path)} is not in the first sample")
+            check_same_shapes([stacked.batch[0], array])
+            if np.result_type(stacked.batch, array) != stacked.batch.dtype:
+                raise Widened  # collate would widen the batch's dtype: not in these rows
+            np.copyto(stacked.batch[row, ...], array, casting="same_kind")
+            return stacked
+
+        self._rests.append(_arrays_by_place(sample, into_row))
+
+    def _open(self, first: Any) -> None:
+        """The block, for `capacity` rows of the first sample's arrays and numbers; or the
+        places the layout given names in the lent block."""
+        arrays: dict[tuple[Any, ...], np.ndarray[Any, Any]] = {}
+
+        def note(path: tuple[Any, ...], array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+            arrays[path] = array
+            return array
+
+        _arrays_by_place(first, note)
+        if self._given is not None:
+            if self._given.keys() != arrays.keys():
+                theirs = [list(path) for path in self._given]
+                raise ValueError("the samples of a batch must share one structure: arrays at "
+                                 f"{[list(path) for path in arrays]}, not {theirs}")
+            for path, place in self._given.items():
+                self._batches[path] = Stacked(self._allocate.view(place))
+            return
+        numbers = 0 if self._part else _count_numbers(first)
+        rows = self._capacity
+        needed = (sum(transport.aligned(rows * a.nbytes) for a in arrays.values())
+                  + numbers * transport.aligned(rows * 16))
+        if needed < transport.SMALL_RESULT:
+            raise transport.NoRoom  # small batches are pickled
+        self._allocate.open(needed)
+        for path, array in arrays.items():
+            self._batches[path] = Stacked(self._allocate((rows, *array.shape), array.dtype))
+
+    def samples(self) -> list[Any]:
+        """The samples added, out of their rows again (copies): to be collated as a list."""
+        def back(row: int) -> Callable[[tuple[Any, ...], Any], Any]:
+            return lambda _, stacked: stacked.batch[self._first_row + row].copy()
+
+        return [_arrays_by_place(rest, back(row), kind=Stacked)
+                for row, rest in enumerate(self._rests)]
+
+    def layout(self) -> Layout:
+        """Where each array's rows lie in the block, every row of the chunk's."""
+        places = {path: self._allocate.place(stacked.batch)
+                  for path, stacked in self._batches.items()}
+        return tuple((path, place) for path, place in places.items() if place is not None)
+
+    def batch(self) -> Any:
+        """The batch of the samples added: their rows, and the rest collated around them."""
+        for stacked in self._batches.values():
+            stacked.batch = stacked.batch[self._first_row : self._first_row + self.count]
+        if self._part:
+            return default_collate(self._rests)
+        try:
+            return default_collate(self._rests, self._allocate)
+        except transport.NoRoom:  # numbers promoted past the room kept: out of the block
+            return default_collate(self._rests)
+
+
+class Widened(Exception):
+    """A sample's array would widen the dtype of the batch's rows (as collate promotes)."""
+
+
+def _arrays_by_place(value: Any, replace: Callable[[tuple[Any, ...], Any], Any],
+                     path: tuple[Any, ...] = (), kind: type = np.ndarray) -> Any:
+    """`value` with each shareable array (or each `kind`) replaced by `replace(path, it)`,
+    where `path` is its place (keys and positions) in the containers `default_collate` walks
+    into."""
+    if isinstance(value, kind):
+        shareable = not isinstance(value, np.ndarray) or not value.dtype.hasobject
+        return replace(path, value) if shareable else value
+    if isinstance(value, Mapping):
+        mapped = {k: _arrays_by_place(v, replace, (*path, k), kind) for k, v in value.items()}
+        return mapped if type(value) is dict else type(value)(mapped)  # type: ignore[call-arg]
+    if isinstance(value, (tuple, list)) and not isinstance(value, (str, bytes)):
+        parts = [_arrays_by_place(v, replace, (*path, n), kind) for n, v in enumerate(value)]
+        if hasattr(value, "_fields"):
+            return type(value)(*parts)
+        return type(value)(parts)
+    return value
+
+
+def _count_numbers(value: Any) -> int:
+    """Numbers in a sample (each becomes an array of the batch: room is kept for them)."""
+    if isinstance(value, (bool, int, float, np.generic)):
+        return 1
+    if isinstance(value, Mapping):
+        return sum(map(_count_numbers, value.values()))
+    if isinstance(value, (tuple, list)):
+        return sum(map(_count_numbers, value))
+    return 0
 
 
 def join_results(results: list[ChunkResult], sizes: list[int],
@@ -170,6 +331,20 @@ def join_results(results: list[ChunkResult], sizes: list[int],
     """The results of consecutive parts of one chunk (of `sizes` samples each, collated by
     `default_collate`) as the one result of the whole chunk: its first failure, its skipped
     samples at their places in the chunk, one batch (its arrays from `allocate`, if given)."""
+    return _joined_by(results, sizes, lambda batches: _joined(batches, allocate))
+
+
+def join_rows(results: list[ChunkResult], sizes: list[int],
+              memory: np.ndarray[Any, Any]) -> ChunkResult:
+    """`join_results` for parts whose arrays' rows lie in one block (`memory`, mapped here)
+    at the places the first part gave (`Rows`): rows of a part that skipped samples move up so
+    that the batch's rows follow each other, rows a part kept in its heap are copied in, and
+    numbers and text are joined here. The arrays stay places in the block."""
+    return _joined_by(results, sizes, lambda batches: _rows_joined(batches, memory))
+
+
+def _joined_by(results: list[ChunkResult], sizes: list[int],
+               join: Callable[[list[Any]], Any]) -> ChunkResult:
     joined = ChunkResult([], [], process=results[0].process)
     offset = 0
     for result, size in zip(results, sizes, strict=True):
@@ -180,9 +355,34 @@ def join_results(results: list[ChunkResult], sizes: list[int],
     batches = [result.items[0] for result in results if result.items]
     if joined.failure is None and batches:
         try:
-            joined.items = [_joined(batches, allocate)]
+            joined.items = [join(batches)]
         except Exception as e:
             joined.failure = (None, one_line(e), traceback.format_exc())
+    return joined
+
+
+def _rows_joined(batches: list[Any], memory: np.ndarray[Any, Any]) -> Any:
+    first = batches[0]
+    if isinstance(first, transport.SharedArray):
+        rows = [transport.view_at(memory, part) if isinstance(part, transport.SharedArray)
+                else np.asarray(part) for part in batches]
+        check_same_shapes([part[0] for part in rows if len(part)])
+        if np.result_type(*rows) != np.dtype(first.dtype):  # a part widened: as collate does
+            return np.concatenate(rows)
+        row_bytes = rows[0][0].nbytes if len(rows[0]) else 0
+        at = 0
+        for part, values in zip(batches, rows, strict=True):
+            place = transport.SharedArray(first.offset + at * row_bytes, values.shape, first.dtype)
+            if not (isinstance(part, transport.SharedArray) and part == place):
+                np.copyto(transport.view_at(memory, place), values, casting="same_kind")
+            at += len(values)
+        return transport.SharedArray(first.offset, (at, *first.shape[1:]), first.dtype)
+    if isinstance(first, np.ndarray) or (
+            isinstance(first, list) and all(isinstance(v, (str, bytes)) for v in first)):
+        return concatenate(batches)
+    joined = by_field(batches, lambda part: _rows_joined(list(part), memory))
+    if joined is NotImplemented:
+        raise TypeError(f"cannot join batches of {type(first).__name__}")
     return joined
 
 
@@ -221,10 +421,10 @@ CHEAP_SECONDS = 0.001
 TRIAL = 4
 
 
-def _outcomes(spec: DecodeSpec, chunk: Chunk) -> list[tuple[Any, float, float] | _Failure]:
-    """Each sample of the chunk, or why it failed; on `spec.threads` threads when more than
-    one and samples are not cheap, so that blocking reads in `load` overlap (results keep the
-    chunk's order)."""
+def _outcomes(spec: DecodeSpec, chunk: Chunk) -> Iterator[tuple[Any, float, float] | _Failure]:
+    """Each sample of the chunk, or why it failed, as it is made (so that a caller keeping
+    one at a time holds one); on `spec.threads` threads when more than one and samples are
+    not cheap, so that blocking reads in `load` overlap (results keep the chunk's order)."""
     global _cheap
     jobs = list(zip(chunk.indices, chunk.raws, strict=True))
 
@@ -232,36 +432,39 @@ def _outcomes(spec: DecodeSpec, chunk: Chunk) -> list[tuple[Any, float, float] |
         return _one(spec, chunk.epoch, *job)
 
     if spec.threads <= 1 or len(jobs) <= 1 or _cheap:
-        return [run(job) for job in jobs]
+        return map(run, jobs)
     if _worker_info is None:  # inline (num_workers=0): no thread outlives the chunk
         with ThreadPoolExecutor(spec.threads, thread_name_prefix="aioloader-load") as inline:
-            return list(inline.map(run, jobs))
-    done: list[tuple[Any, float, float] | _Failure] = []
+            return iter(list(inline.map(run, jobs)))
+    done: Iterable[tuple[Any, float, float] | _Failure] = ()
     if _cheap is None:
         started = now()
         done = [run(job) for job in jobs[:TRIAL]]
         _cheap = (now() - started) / len(done) < CHEAP_SECONDS
         jobs = jobs[len(done):]
         if _cheap:
-            return done + [run(job) for job in jobs]
+            return itertools.chain(done, map(run, jobs))
 
     global _threads
     if _threads is None:
         _threads = ThreadPoolExecutor(spec.threads, thread_name_prefix="aioloader-load")
-    return done + list(_threads.map(run, jobs))
+    return itertools.chain(done, _threads.map(run, jobs))
 
 
 def respond(spec: DecodeSpec, chunk: Chunk) -> ChunkResult:
     """Run a chunk in a decode process and put large results into the lent block."""
     slot = chunk.slot
-    allocate = transport.BlockAllocator(slot) if slot is not None and slot.size else None
+    allocate = transport.BlockAllocator(slot) if slot is not None else None
     result = run_chunk(spec, chunk, allocate)
     if allocate is not None and allocate.used and result.failure is None:
         result.items = allocate.places(result.items)  # collated straight into the block
         result.needed, result.shared = allocate.used, True
-    elif result.items and result.failure is None:
+        return result
+    if allocate is not None:
+        allocate.discard()
+    if result.items and result.failure is None:
         result.needed = transport.shared_bytes(result.items)
-        if slot is not None and result.needed >= transport.SMALL_RESULT:
+        if slot is not None and result.needed >= transport.SMALL_RESULT and not chunk.rows:
             try:
                 placed = transport.write(result.items, slot, result.needed)
             except transport.NoSpace:

@@ -30,6 +30,7 @@ from ..storage._diskcache import DiskCache
 from ..storage._hedge import Hedger
 from ..storage._storage import Storage
 from . import autotune, shm
+from .budget import MemoryBudget
 from .decode import DecodeSpec
 from .decoders import Decoder, InlineDecoder, PoolDecoder, Recovery
 from .passes import Pass, PassConfig
@@ -52,7 +53,8 @@ class Share(Protocol):
     blocks: BlockPool | None
     disk_cache: DiskCache | None
     counters: StorageCounters
-    memory_per_rank: int
+    budget: MemoryBudget
+    """The node's memory limit, one account for every rank's passes."""
     ranks: int
 
     def decoder(self) -> Decoder: ...
@@ -104,14 +106,17 @@ class PassFactory:
         elif (config.shared_memory and config.num_workers and executor is None
                 and config.service is None and shm.available()):
             self.blocks = BlockPool(max_blocks=self.blocks_per_pass(),
-                                    max_bytes=config.memory_limit, export=export)
+                                    max_idle=config.memory_limit, export=export)
+        self.budget = (share.budget if share is not None
+                       else MemoryBudget(config.memory_limit, self.blocks))
 
     # -- sizes -------------------------------------------------------------------------------
 
     def shard_info(self, epoch: int, remaining: Intervals | None = None) -> ShardInfo:
         config = self.config
+        ranks = self.share.ranks if self.share is not None else 1  # streams read ahead in
         return ShardInfo(config.rank, config.world_size, epoch, config.seed, config.shuffle,
-                         config.drop_last, remaining, config.memory_limit // 2,
+                         config.drop_last, remaining, config.memory_limit // 2 // ranks,
                          (config.batch_size or 1) * self.steps_per_chunk())
 
     def steps_per_chunk(self) -> int:
@@ -155,6 +160,7 @@ class PassFactory:
             stall_timeout=config.stall_timeout,
             first_chunk_parts=self._first_chunk_parts(),
             start_chunks=max(config.num_workers, 1) + 1,
+            row_by_row=self.spec.collate is default_collate,
         )
 
     def _first_chunk_parts(self) -> int:
@@ -228,7 +234,7 @@ class PassFactory:
             return call_with_shard_info(info, start_with_storage)
 
         return Pass(pass_config, source, decoder, blocks, stats, storage, in_context,
-                    side_tasks, owns_storage=share is None)
+                    side_tasks, owns_storage=share is None, budget=self.budget)
 
     def decoder(self, epoch: int) -> Decoder:
         """A pass's decoder: on the backend, inline, or on decode processes (the persistent

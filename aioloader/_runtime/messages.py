@@ -33,6 +33,11 @@ def own_elements(value: Any) -> Any:
     return transport.map_arrays(value, own, torch.Tensor)
 
 
+Layout = tuple[tuple[tuple[Any, ...], transport.SharedArray], ...]
+"""Each array of a batch by its place in a sample (keys and positions), and where its rows lie
+in a block."""
+
+
 @dataclass
 class Chunk:
     epoch: int
@@ -42,6 +47,14 @@ class Chunk:
     """A shared-memory block to hand the result back in, when the main process has one."""
     step: int = 0
     """The pass's step it starts: a decode pool serving several passes runs the earliest first."""
+    rows: int = 0
+    """A part of a pass's first chunk: rows its block keeps, one for every sample of the
+    chunk (0: not a part; the block keeps the chunk's own)."""
+    first_row: int = 0
+    """A part: the row of the block its first sample goes to."""
+    layout: Layout | None = None
+    """A part after the first: where the batch's arrays lie in the lent block (the first
+    part's `ChunkResult.layout`), by their place in a sample."""
     on_send: Callable[[Chunk], None] | None = field(default=None, repr=False, compare=False)
     """Called as the chunk goes to a decode process, and not sent with it: the pass lends the
     chunk its block then, not while the chunk waits for a process, so that blocks freed
@@ -76,6 +89,9 @@ class ChunkResult:
     """Bytes the items' arrays need in shared memory."""
     no_space: bool = False
     """/dev/shm could not hold the block: the items came pickled instead."""
+    layout: Layout | None = None
+    """The first part of a pass's first chunk: where each array of the batch lies in the
+    block, with a row for every sample of the chunk."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for the main process: tensor views travel as their own elements."""

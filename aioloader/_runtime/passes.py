@@ -23,14 +23,17 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+import numpy as np
+
 from .._errors import LoaderError, RemoteTraceback, SampleError, StallError
 from .._stats import LoaderStats, now
 from ..storage._storage import Storage
-from . import transport
-from .decode import join_results
+from . import shm, transport
+from .budget import MemoryBudget
+from .decode import join_results, join_rows
 from .decoders import Decoder
 from .handover import EMPTY, Failed, Finished, Handover
-from .messages import Chunk, ChunkResult
+from .messages import Chunk, ChunkResult, Layout
 from .sources import SKIPPED, Pending, estimate_bytes
 from .tasks import TaskSet
 from .transport import BlockPool, Slot
@@ -60,6 +63,9 @@ class PassConfig:
     start_chunks: int = 2
     """Chunks read ahead until the first is decoded: the first, and one for each decode
     process to go on with."""
+    row_by_row: bool = True
+    """A decode process writes each sample into its row of the block as it comes (the default
+    collate): it holds one decoded sample at a time, not the chunk's."""
 
 
 class Source(Protocol):
@@ -84,11 +90,14 @@ class Pass:
         run_in_context: Callable[[Callable[[], asyncio.Task[None]]], asyncio.Task[None]],
         side_tasks: list[Coroutine[Any, Any, None]] | None = None,
         owns_storage: bool = True,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.config = config
         self._source = source
         self._decoder = decoder
         self._blocks = blocks
+        self._budget = budget or MemoryBudget(config.memory_limit, blocks)
+        """The memory limit's account, shared with the blocks (and a node's other ranks)."""
         self._stats = stats
         self._storage = storage
         self._run_in_context = run_in_context
@@ -110,11 +119,18 @@ class Pass:
         self._raw = 0
         """Bytes of raw items read and not decoded yet."""
         self._results = 0
-        """Bytes of decoded batches not taken by the consumer yet."""
+        """Bytes of decoded batches not taken by the consumer yet, held in this heap (those
+        in shared blocks are the pool's to count)."""
+        self._reserved = 0
+        """Bytes promised to the chunks being decoded (`Pending.reserved`)."""
+        self.blocks_promised = 0
+        """Of those, the blocks of chunks not lent one yet."""
+        self._urgent = False
+        """The consumer waits for the next batch: its chunk may decode past the limit."""
         self._ahead = 0
         self._samples_per_step = config.batch_size or 1
         self._raw_per_sample = 0.0
-        self._result_per_sample = 0.0
+        self._result_per_sample = self._budget.sample_bytes or 0.0
         """Moving averages of a sample's bytes, raw and decoded."""
         self._decoding = 0
         self._decoded_any = False
@@ -135,6 +151,14 @@ class Pass:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._budget.join(self)
+        loop = self.loop
+
+        def in_loop(call: Callable[[], None]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(call)
+
+        self._budget.on_block_released(in_loop)
         self._run_in_context(lambda: self._spawn(self._feed(), "feed"))
         self._spawn(self._decode_stage(), "decode")
         self._spawn(self._watch(), "watchdog")
@@ -157,6 +181,7 @@ class Pass:
         self._handover.fail(LoaderError("this pass was abandoned"))
         self._tasks.cancel_all()
         self._decoder.abandon()
+        self._budget.leave(self)
         if self._blocks is not None:
             for name in self._lent:
                 self._blocks.retire_later(name)
@@ -178,6 +203,7 @@ class Pass:
                 for name in self._lent:
                     retire(name)
         finally:
+            self._budget.leave(self)
             if self._owns_storage:
                 await self._storage.aclose()
 
@@ -187,25 +213,28 @@ class Pass:
 
     # -- the consumer's side ----------------------------------------------------------------------
 
-    async def next(self) -> Any:
-        """The next batch, or END; raises the first failure in step order."""
+    async def next(self, waits: bool = True) -> Any:
+        """The next batch, or END; raises the first failure in step order. `waits`: the
+        consumer waits for it (a service asking ahead of its client does not: `hurry` says
+        when the client does)."""
         stats = self._stats
         asked = now()
         if self._handed_over_at is not None:
             stats.event("consumer", self._handed_over_at, asked, "step")
         while True:
-            finished = await self._handover.take()
+            if waits:
+                self.hurry()
+            try:
+                finished = await self._handover.take()
+            finally:
+                self._urgent = False
             self._progress_at = got = now()
             if finished is None:
                 self.finished = True
                 self._check_not_all_skipped()
                 return END
             self._results -= finished.held
-            if self._blocks is not None and not self._decoder.shared:
-                # idle blocks only in the room samples leave (a node's pool is bounded as one)
-                self._blocks.keep_idle(max(0, self.config.memory_limit - self._held))
-            self._room_changed.set()
-            self._stage_changed.set()
+            self._budget.freed()
             self.steps_done = self._handover.steps_done(finished.step)
             stats.queue_wait.add(got - finished.at)
             stats.busy_seconds = self._busy_before + got - self._started
@@ -217,6 +246,21 @@ class Pass:
                 stats.event("consumer", asked, got, "wait")
                 self._handed_over_at = got
                 return finished.item
+
+    def hurry(self) -> None:
+        """The consumer waits: the chunk it needs next may decode past the memory limit."""
+        self._urgent = True
+        self._stage_changed.set()
+
+    @property
+    def held_here(self) -> int:
+        """What the memory limit counts here, besides the blocks: raw items, batches in this
+        heap, and what the chunks being decoded were promised."""
+        return self._raw + self._results + self._reserved
+
+    def wake(self) -> None:
+        self._room_changed.set()
+        self._stage_changed.set()
 
     def _check_not_all_skipped(self) -> None:
         if self._delivered_samples == 0 and self._skipped_here:
@@ -251,25 +295,19 @@ class Pass:
             self._room_changed.clear()
             await self._room_changed.wait()
 
-    @property
-    def _held(self) -> int:
-        return self._raw + self._results
-
     def _committed(self) -> int:
-        """What reading more would commit the loader to: raw bytes held, the idle shared
-        blocks kept for reuse, and the results decoding may hold at once (a full decode window
-        at the average result size so far; before any, the raw size), or the results held if
-        more. Samples still being read count at the average raw size. Reads stop before the
-        limit, not a window of results after it; with nothing read ahead, a chunk may always be
-        read."""
+        """What reading more would commit the loader to: raw bytes held, and everything else
+        the memory limit counts (batches in blocks or in a heap, decodes under way, a node's
+        other ranks), or the results decoding may hold at once if more (a full decode window
+        at the average result size so far; before any, the raw size). Samples still being read
+        count at the average raw size. Reads stop before the limit, not a window of results
+        after it; with nothing read ahead, a chunk may always be read."""
         if not self._raw_per_sample:
             return self.config.memory_limit  # nothing arrived yet: one chunk at a time
         per_sample = self._result_per_sample or self._raw_per_sample
         window = self.config.decode_window * self.config.steps_per_chunk * self._samples_per_step
-        idle = (self._blocks.idle_bytes
-                if self._blocks is not None and not self._decoder.shared else 0)
         raw = max(self._raw, int(self._ahead * self._raw_per_sample))  # reads in flight too
-        return raw + idle + max(self._results, int(window * per_sample))
+        return raw + max(self._budget.held() - self._raw, int(window * per_sample))
 
     def reading(self, pending: Pending, count: int) -> None:
         pending.ahead += count
@@ -331,6 +369,10 @@ class Pass:
                 await self._stage_changed.wait()
                 continue
             pending = heapq.heappop(self._ready)[2]
+            pending.reserved = self._chunk_cost()
+            pending.block = self._batch_bytes()
+            self._reserved += pending.reserved
+            self.blocks_promised += pending.block
             self._decoding += 1
             self._next_step = max(self._next_step, pending.first_step + pending.steps)
             decoding.add(self._spawn(self._decode(pending), "chunk"))
@@ -342,72 +384,91 @@ class Pass:
 
     def _may_decode(self) -> bool:
         """Whether the first ready chunk may start decoding. In order, the window is a distance
-        ahead of the next step to hand over, so the chunk the consumer waits for always may;
-        out of order, it is a count of chunks decoding or finished. Over the memory limit, only
-        the chunk the consumer needs next."""
+        ahead of the next step to hand over; out of order, it is a count of chunks decoding or
+        finished. Within it, a chunk decodes if what it will hold fits in the memory limit's
+        room, or if the consumer waits for it, whatever the room. Until a chunk has been
+        decoded, what one holds is not known: one chunk at a time, to learn it."""
         if not self._ready:
             return False
         window = self.config.decode_window
-        per_chunk = (self._result_per_sample or self._raw_per_sample) * (
-            self.config.steps_per_chunk * self._samples_per_step)
-        # results held, and those the chunks being decoded will bring
-        over = self._held + self._decoding * per_chunk >= self.config.memory_limit
         if self.config.ordered:
             first_step = self._ready[0][0]
-            if first_step == self._handover.next_step:
-                return True  # what the consumer waits for, whatever the budget
-            return not over and (
-                first_step < self._handover.next_step + window * self.config.steps_per_chunk)
-        waiting_chunks = -(-self._handover.waiting // self.config.steps_per_chunk)
-        if over:
-            return self._decoding == 0 and waiting_chunks == 0
-        return self._decoding + waiting_chunks < window
+            needed_next = first_step == self._handover.next_step
+            if first_step >= self._handover.next_step + window * self.config.steps_per_chunk:
+                return False
+        else:
+            waiting_chunks = -(-self._handover.waiting // self.config.steps_per_chunk)
+            if self._decoding + waiting_chunks >= window:
+                return False
+            needed_next = self._decoding == 0 and waiting_chunks == 0
+        if self._budget.sample_bytes is None:
+            return self._decoding == 0
+        return (needed_next and self._urgent) or self._chunk_cost() <= self._budget.room()
+
+    def _chunk_cost(self) -> int:
+        """What decoding a chunk may come to hold: its batch, and the decoded samples on the
+        way into it (one at a time when written row by row, else the chunk's)."""
+        samples = self.config.steps_per_chunk * self._samples_per_step
+        row_by_row = self.config.row_by_row and self._blocks is not None
+        return self._batch_bytes() + int((self._budget.sample_bytes or 0.0) * (
+            1 if row_by_row else samples))
+
+    def _batch_bytes(self) -> int:
+        return int((self._budget.sample_bytes or 0.0)
+                   * self.config.steps_per_chunk * self._samples_per_step)
 
     async def _decode(self, pending: Pending) -> None:
         try:
-            outcome, held = await self._decode_chunk(pending)
+            outcome, held, in_heap = await self._decode_chunk(pending)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
-            outcome, held = Failed(e), 0
+            outcome, held, in_heap = Failed(e), 0, 0
         finally:
             self._decoding -= 1
             self._decoded_any = True
+            self._reserved -= pending.reserved
+            self.blocks_promised -= pending.block
+            pending.reserved = pending.block = 0
             self._release(pending)
         self._progress_at = moment = now()
-        self._results += held
+        self._results += in_heap
         if pending.indices:
             per_sample = held / len(pending.indices)
             self._result_per_sample = _averaged(self._result_per_sample, per_sample, 8)
+            self._budget.sample_bytes = self._result_per_sample
         if isinstance(outcome, Failed):
-            self._handover.put(Finished(pending.first_step, outcome, held, moment))
+            self._handover.put(Finished(pending.first_step, outcome, in_heap, moment))
             return
-        share = held // max(len(outcome), 1)
+        share = in_heap // max(len(outcome), 1)
         for n, item in enumerate(outcome):
             last = n == len(outcome) - 1
-            part = held - share * (len(outcome) - 1) if last else share
+            part = in_heap - share * (len(outcome) - 1) if last else share
             self._handover.put(Finished(pending.first_step + n, item, part, moment))
 
-    async def _decode_chunk(self, pending: Pending) -> tuple[list[Any] | Failed, int]:
-        """The chunk's items, one per step (EMPTY where everything was skipped), and the bytes
-        they hold; or the chunk's failure."""
+    async def _decode_chunk(self, pending: Pending) -> tuple[list[Any] | Failed, int, int]:
+        """The chunk's items, one per step (EMPTY where everything was skipped), the bytes
+        they hold and those of them in this heap (not in a shared block); or the chunk's
+        failure."""
         if pending.failure is not None:
-            return Failed(pending.failure), 0
+            return Failed(pending.failure), 0, 0
         kept = [n for n, raw in enumerate(pending.raws) if raw is not SKIPPED]
         parts, self._parts = min(self._parts, len(kept)), 1
         result, held = await (self._decode_divided(pending, kept, parts)
                               if parts > 1 and self._blocks is not None
                               else self._decode_part(pending, kept))
+        in_heap = 0 if result.shared else held
         failure = self._failure_of(pending, kept, result)
         if failure is not None:
-            return Failed(failure), held
+            return Failed(failure), held, in_heap
         self._delivered_samples += len(kept) - len(result.skipped)
         if self.config.batch_size:
-            return [result.items[0] if result.items else EMPTY], held
+            return [result.items[0] if result.items else EMPTY], held, in_heap
         decoded = iter(result.items)
         skipped = {kept[position] for position, _ in result.skipped}
         skipped.update(n for n, raw in enumerate(pending.raws) if raw is SKIPPED)
-        return [EMPTY if n in skipped else next(decoded) for n in range(pending.steps)], held
+        return ([EMPTY if n in skipped else next(decoded) for n in range(pending.steps)],
+                held, in_heap)
 
     async def _decode_part(self, pending: Pending, positions: list[int], here: bool = False
                            ) -> tuple[ChunkResult, int]:
@@ -419,39 +480,81 @@ class Pass:
                 chunk.slot = self._blocks.lease(once=here)
                 if chunk.slot is not None:
                     self._lent.add(chunk.slot.name)
+                    # a block used again: the pool counts it now, no more the promise
+                    reused = min(chunk.slot.size, pending.reserved)
+                    pending.reserved -= reused
+                    self._reserved -= reused
+                self.blocks_promised -= pending.block
+                pending.block = 0
 
-        chunk = Chunk(self.config.epoch, [pending.indices[n] for n in positions],
-                      [pending.raws[n] for n in positions], None, pending.first_step)
+        chunk = self._chunk_of(pending, positions, None)
         if self._decoder.lends_late:
             chunk.on_send = lend
         else:
             lend(chunk)
-        try:
-            result = await self._decoder.decode(chunk)
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            if chunk.slot is not None and self._blocks is not None:
-                self._lent.discard(chunk.slot.name)
-                self._blocks.retire_later(chunk.slot.name)  # its process may have been mid-write
-            raise
-        self._record(result)
+        result = await self._run(chunk)
         return result, self._receive(result, chunk.slot, here)
 
     async def _decode_divided(self, pending: Pending, kept: list[int], parts: int
                               ) -> tuple[ChunkResult, int]:
-        """A chunk decoded in `parts` processes at once, its parts joined here (the first
-        batch of a pass: every process starts at once, and the batch comes `parts` times
-        sooner), then put in a shared block as a decode process would."""
-        size = -(-len(kept) // parts)
-        pieces = [kept[start:start + size] for start in range(0, len(kept), size)]
-        outcomes = await asyncio.gather(
-            *(self._decode_part(pending, piece, here=True) for piece in pieces),
-            return_exceptions=True)  # every part ends before the chunk does, even on failure
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        decoded = [cast(tuple[ChunkResult, int], outcome)[0] for outcome in outcomes]
+        """A pass's first chunk, decoded by `parts` processes at once: its batch comes about
+        `parts` times sooner. Its first sample goes first, into a block with a row for every
+        sample of the chunk; what a decoded sample holds and where its arrays lie are then
+        known, and the rest is divided among as many processes as the memory limit has room
+        for a decoded sample on the way, each writing its rows into that block in place: the
+        batch is never copied, and never held twice. Where the first sample leaves no block
+        (small batches, a skipped sample, a full /dev/shm), the rest is divided all the same,
+        each part in a block of its own, joined by a copy."""
+        assert self._blocks is not None
+        slot = self._blocks.lease()
+        if slot is not None:
+            self._lent.add(slot.name)
+        first = await self._run(self._chunk_of(pending, kept[:1], slot, rows=len(kept)))
+        rest = kept[1:]
+        if slot is None or not first.shared or first.layout is None:
+            self._receive(first, slot, here=True)
+            return await self._decode_copied(pending, first, rest, parts)
+        self._budget.sample_bytes = sample = first.needed / len(kept)
+        self._reserved += first.needed  # the block, not the pool's to count until adopted
+        try:
+            room = max(0, self._budget.room())
+            parts = max(1, min(parts, len(rest), int(room // sample) if sample else parts))
+            size = -(-len(rest) // parts)
+            pieces = [rest[start:start + size] for start in range(0, len(rest), size)]
+            lent = transport.Slot(slot.name, first.needed)
+            chunks = [self._chunk_of(pending, piece, lent, rows=len(kept),
+                                     first_row=1 + size * n, layout=first.layout)
+                      for n, piece in enumerate(pieces)]
+            results = await self._run_all(chunks)
+        finally:
+            self._reserved -= first.needed
+        memory = np.frombuffer(shm.attach(slot.name), np.uint8)
+        joined = join_rows([first, *results], [1, *map(len, pieces)], memory)
+        del memory
+        joined.needed, joined.shared = first.needed, joined.failure is None and bool(joined.items)
+        if not joined.shared:
+            self._lent.discard(slot.name)
+            self._blocks.retire(slot.name)
+            return joined, 0
+        return joined, self._receive(joined, slot)
+
+    async def _decode_copied(self, pending: Pending, first: ChunkResult, rest: list[int],
+                             parts: int) -> tuple[ChunkResult, int]:
+        """The rest of a first chunk in `parts` parts, each in a block of its own, joined here
+        with the first sample's result, then put in a shared block as a decode process would."""
+        decoded = [first]
+        sizes = [1]
+        if rest:
+            size = -(-len(rest) // parts)
+            pieces = [rest[start:start + size] for start in range(0, len(rest), size)]
+            outcomes = await asyncio.gather(
+                *(self._decode_part(pending, piece, here=True) for piece in pieces),
+                return_exceptions=True)  # every part ends before the chunk does, even on failure
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            decoded += [cast(tuple[ChunkResult, int], outcome)[0] for outcome in outcomes]
+            sizes += map(len, pieces)
         # the parts' bytes: at least what the joined arrays need
         needed = sum(transport.shared_bytes(part.items) for part in decoded)
         slot = (self._blocks.lease() if self._blocks is not None
@@ -463,7 +566,7 @@ class Pass:
                 allocate = transport.allocator(slot, needed)
             except transport.NoSpace:
                 no_space = True
-        joined = join_results(decoded, [len(piece) for piece in pieces], allocate)
+        joined = join_results(decoded, sizes, allocate)
         joined.no_space = no_space
         if allocate is not None and allocate.used and joined.failure is None:
             joined.items = allocate.places(joined.items)  # joined straight into the block
@@ -475,6 +578,35 @@ class Pass:
                 self._blocks.retire(slot.name)  # made for this batch, which went elsewhere
                 slot = None
         return joined, self._receive(joined, slot)
+
+    def _chunk_of(self, pending: Pending, positions: list[int], slot: Slot | None, rows: int = 0,
+                  first_row: int = 0, layout: Layout | None = None) -> Chunk:
+        return Chunk(self.config.epoch, [pending.indices[n] for n in positions],
+                     [pending.raws[n] for n in positions], slot, pending.first_step, rows=rows,
+                     first_row=first_row, layout=layout)
+
+    async def _run(self, chunk: Chunk) -> ChunkResult:
+        """Decode a chunk already lent its block (if any); a block of a chunk that failed is
+        removed once its process can no longer write it."""
+        try:
+            result = await self._decoder.decode(chunk)
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            if chunk.slot is not None and self._blocks is not None:
+                self._lent.discard(chunk.slot.name)
+                self._blocks.retire_later(chunk.slot.name)  # its process may have been mid-write
+            raise
+        self._record(result)
+        return result
+
+    async def _run_all(self, chunks: list[Chunk]) -> list[ChunkResult]:
+        """Every chunk ends before this does, even when one fails (they share a block)."""
+        outcomes = await asyncio.gather(*map(self._run, chunks), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return cast(list[ChunkResult], outcomes)
 
     def _receive(self, result: ChunkResult, slot: Slot | None, here: bool = False) -> int:
         """Map a result's arrays out of its shared block, or give the unused block back; the

@@ -79,6 +79,7 @@ class DecodeProcess(ProcessBound):
                     message if isinstance(message, bytes) else dumps_data(message))
             except OSError:
                 return  # the process is gone; the receiving thread reports it
+            del message  # sent: its raw items are not held here until the next
 
     def _receive_all(self) -> None:
         try:
@@ -90,6 +91,7 @@ class DecodeProcess(ProcessBound):
                 if isinstance(message, Ready):
                     self.ready = True
                 self._deliver(self, message)
+                del message  # not held while the next is awaited: a result's block is lent
         except (EOFError, OSError):
             self.alive = False
             self._deliver(self, LOST)

@@ -8,7 +8,9 @@ the trainer drops the last of them, the block's name goes back with the next mes
 Protocol (`channel.py`'s framing). Client to service: `("open", epoch, start, remaining,
 ahead, environment, released)` (each pass's decode processes see the trainer as it is when it
 starts; blocks let go of since the last pass are free for this one), `("take", released)` (one
-batch more may be sent), `("stop", released)` (end the pass early), `("stats", released)`.
+batch more may be sent), `("waiting", released, received)` (the trainer waits, having
+received `received` batches of the pass: the next may be decoded past the memory limit),
+`("stop", released)` (end the pass early), `("stats", released)`.
 Service to client: `("batch", item, position)`, `("end", stats)`, `("error", error, cause,
 stats)`, `("stopped", stats)`, `("stats", stats)`, `("warning", category, message)`,
 `("removed", names)` (blocks the service unlinked: stop mapping them). `stats` are a pickled
@@ -101,6 +103,8 @@ class ServiceClient(ProcessBound):
         self.closed = False
         self.pass_open = False
         """A pass was opened and has not ended, failed or been stopped."""
+        self._received = 0
+        """Batches of the open pass received."""
         self.last_stats: bytes | None = None
         self._heard_at = time.monotonic()
         """When the last message of any kind arrived."""
@@ -147,13 +151,22 @@ class ServiceClient(ProcessBound):
         self._send(("open", epoch, start, remaining, AHEAD, Environment.here(),
                     self._take_released()))
         self.pass_open = True
+        self._received = 0
 
     def next(self) -> tuple[Any, int] | None:
         """The next batch and the position after it, or None at the end of the pass."""
         started = time.monotonic()
+        self._say_if_waiting()
         while (message := self._pop()) is None:
             self._wait(lambda: bool(self._stream), started)
         return self._deliver(message)
+
+    def _say_if_waiting(self) -> None:
+        """Tell the service the trainer waits, when nothing has come: the batch it needs next
+        may be decoded past the memory limit (batches asked ahead may not). The count of
+        batches received lets the service tell one still on its way."""
+        if not self._stream:
+            self._send(("waiting", self._take_released(), self._received))
 
     async def next_async(self) -> tuple[Any, int] | None:
         """`next()` for `async for`: the caller's loop waits for the socket to be readable,
@@ -161,6 +174,7 @@ class ServiceClient(ProcessBound):
         meanwhile is seen."""
         loop = asyncio.get_running_loop()
         started = time.monotonic()
+        self._say_if_waiting()
         while (message := self._pop()) is None:
             if not self._channel.buffered:
                 await self._readable(loop, started)
@@ -223,6 +237,7 @@ class ServiceClient(ProcessBound):
     def _deliver(self, message: tuple[Any, ...]) -> tuple[Any, int] | None:
         kind = message[0]
         if kind == "batch":
+            self._received += 1
             _, item, position = message
             if isinstance(item, Exported):
                 name = item.name

@@ -46,6 +46,10 @@ class Pending:
     """Bytes of raw items held, counted against the memory limit."""
     ahead: int = 0
     """Samples this chunk counts against the read-ahead bound."""
+    reserved: int = 0
+    """Bytes its decode may come to hold, promised to it out of the memory limit."""
+    block: int = 0
+    """Of those, its batch's block, until it is lent one."""
     failure: BaseException | None = None
     """With on_error="raise": the failure of the earliest sample that failed."""
     failed_at: int = -1

@@ -98,7 +98,7 @@ def _shareable(array: npt.NDArray[Any]) -> bool:
     return not array.dtype.hasobject
 
 
-def _aligned(size: int) -> int:
+def aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
@@ -109,7 +109,7 @@ def shared_bytes(value: Any) -> int:
     def count(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
         nonlocal total
         if _shareable(array):
-            total += _aligned(array.nbytes)
+            total += aligned(array.nbytes)
         return array
 
     map_arrays(value, count)
@@ -142,7 +142,7 @@ def write(value: Any, slot: Slot, needed: int) -> Any | None:
         target = memory[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape)
         np.copyto(target, array)
         here = SharedArray(offset, array.shape, array.dtype.str)
-        offset += _aligned(array.nbytes)
+        offset += aligned(array.nbytes)
         return here
 
     return map_arrays(value, place)
@@ -170,29 +170,81 @@ class NoRoom(Exception):
 class BlockAllocator:
     """Hands out arrays inside a lent block, front to back, so collate writes the batch
     straight into shared memory (one copy less than collating, then copying). The block is
-    mapped at the first array asked for: a custom collate never maps it here."""
+    mapped at the first array asked for (a custom collate never maps it here), or when `open`
+    learns the batch's size: a fresh name's block is created then, at that size."""
 
     def __init__(self, slot: Slot, block: mmap.mmap | None = None) -> None:
         self._slot = slot
         self._memory: npt.NDArray[np.uint8] | None = (
             None if block is None else np.frombuffer(block, np.uint8))
+        self._created = False
         self.used = 0
-        self._places: dict[int, tuple[npt.NDArray[Any], SharedArray]] = {}
+
+    def open(self, needed: int) -> None:
+        """Map the block for a batch of `needed` bytes, creating it for a fresh name; NoRoom
+        if the lent block is smaller, NoSpace if /dev/shm cannot hold a fresh one."""
+        if self._memory is not None:
+            return
+        if self._slot.size == 0:
+            name = self._slot.name
+            try:
+                block = shm.create(name, needed, populate=True)
+            except FileExistsError:  # made by a process that died writing this chunk, which
+                shm.refuse_foreign(name)  # was sent again with its slot: made anew
+                shm.unlink(name)
+                block = shm.create(name, needed, populate=True)
+            self._memory, self._created = np.frombuffer(block, np.uint8), True
+        elif needed > self._slot.size:
+            raise NoRoom
+        else:
+            self.open_lent()
+
+    def open_lent(self) -> None:
+        if self._memory is None:
+            if self._slot.size == 0:
+                raise NoRoom  # a fresh name: nothing to map until the size is known
+            self._memory = np.frombuffer(shm.attach(self._slot.name, populate=True), np.uint8)
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-        if self._memory is None:
-            self._memory = np.frombuffer(shm.attach(self._slot.name, populate=True), np.uint8)
+        self.open_lent()
+        assert self._memory is not None
         size = math.prod(shape) * dtype.itemsize
         if self.used + size > len(self._memory):
             raise NoRoom
         array = self._memory[self.used : self.used + size].view(dtype).reshape(shape)
-        self._places[id(array)] = (array, SharedArray(self.used, shape, dtype.str))
-        self.used = _aligned(self.used + size)
+        self.used = aligned(self.used + size)
         return array
 
+    def view(self, place: SharedArray) -> npt.NDArray[Any]:
+        """The array at `place` in the lent block (a part writes its rows there)."""
+        self.open_lent()
+        assert self._memory is not None
+        array = view_at(self._memory, place)
+        self.used = max(self.used, place.offset + array.nbytes)
+        return array
+
+    def place(self, array: npt.NDArray[Any]) -> SharedArray | None:
+        """Where `array` lies in the block; None if it is not in it."""
+        if self._memory is None or not array.flags.c_contiguous:
+            return None
+        start = self._memory.ctypes.data
+        address = array.ctypes.data
+        if start <= address < start + len(self._memory):
+            return SharedArray(address - start, array.shape, array.dtype.str)
+        return None
+
     def places(self, value: Any) -> Any:
-        """`value` with the arrays handed out here replaced by their places."""
-        return map_arrays(value, lambda a: self._places[id(a)][1] if id(a) in self._places else a)
+        """`value` with the arrays that lie in the block (handed out here, or rows of those)
+        replaced by their places."""
+        return map_arrays(value, lambda array: self.place(array) or array)
+
+    def discard(self) -> None:
+        """The batch went elsewhere (pickled, or it failed): a block created here is removed,
+        so its fresh name stays fresh for the pool."""
+        self.used = 0
+        if self._created:
+            self._memory, self._created = None, False
+            shm.unlink(self._slot.name)
 
 
 @dataclass
@@ -204,18 +256,19 @@ class Exported:
     value: Any
 
 
+def view_at(memory: npt.NDArray[np.uint8], place: SharedArray) -> npt.NDArray[Any]:
+    """The array at `place` in a block's memory."""
+    dtype = np.dtype(place.dtype)
+    size = math.prod(place.shape) * dtype.itemsize
+    return memory[place.offset : place.offset + size].view(dtype).reshape(place.shape)
+
+
 def views(block: mmap.mmap, value: Any, on_free: Callable[[], Any]) -> Any:
     """`value` with each SharedArray replaced by a view of `block`; `on_free` runs once no
     view is left."""
     owner = np.frombuffer(block, np.uint8)
     weakref.finalize(owner, on_free)
-
-    def view(place: SharedArray) -> npt.NDArray[Any]:
-        dtype = np.dtype(place.dtype)
-        size = math.prod(place.shape) * dtype.itemsize
-        return owner[place.offset : place.offset + size].view(dtype).reshape(place.shape)
-
-    return map_arrays(value, view, SharedArray)
+    return map_arrays(value, lambda place: view_at(owner, place), SharedArray)
 
 
 # -- main process side --------------------------------------------------------------------------
@@ -224,22 +277,24 @@ def views(block: mmap.mmap, value: Any, on_free: Callable[[], Any]) -> Any:
 class BlockPool(ProcessBound):
     """The main process's blocks: lent to tasks, mapped into batches, reused when free.
 
-    A task is lent a free block, or, while there are fewer than `max_blocks` of fewer than
-    `max_bytes` in all, a fresh name the decode process creates the block under. A block too
-    small for a later batch, or past the bytes allowed, is removed rather than kept.
+    A task is lent a free block, or, while there are fewer than `max_blocks`, a fresh name the
+    decode process creates the block under: how many bytes that comes to is the memory
+    budget's to bound (`budget.py`), which admits a chunk only when its batch fits. A block too
+    small for a later batch, or idle past the room the budget leaves, is removed rather than
+    kept.
     Blocks carry this process's name prefix, so the zygote removes them if this process dies.
     In a child forked from this process the blocks are the parent's: it leases none, and
     releasing or closing does nothing there (without the lock, which a thread of the parent
     may have held at the fork).
     """
 
-    def __init__(self, max_blocks: int, max_bytes: int, export: bool = False) -> None:
+    def __init__(self, max_blocks: int, max_idle: int, export: bool = False) -> None:
         super().__init__()
         self.export = export
         """Results go to another process (a loader service's client), not into views here."""
         self.max_blocks = max_blocks
-        self.max_bytes = max_bytes
-        """Bytes of blocks kept, at most (one block may pass it): /dev/shm is memory too."""
+        self.on_release: Callable[[], None] | None = None
+        """Called after a block is given back (from any thread): room was made."""
         self._maps: dict[str, mmap.mmap] = {}
         self._sizes: dict[str, int] = {}
         """Every name lent or free; size 0 while a decode process may still be creating it."""
@@ -248,7 +303,8 @@ class BlockPool(ProcessBound):
         """Holds on blocks with more than one (exported parts here and in a client)."""
         self._removed: list[str] = []
         """Exporting: names removed since the client was last told (it keeps blocks mapped)."""
-        self._max_idle = max_bytes
+        self._max_idle = max_idle
+        """Bytes of idle blocks kept, at most: /dev/shm is memory too."""
         self._late: set[str] = set()
         """Names lent to processes that were killed: unlinked now and again at close, in case
         a dying process created one after the first unlink."""
@@ -270,7 +326,7 @@ class BlockPool(ProcessBound):
             if self._free and not once:
                 name = self._free.pop()
                 return Slot(name, self._sizes[name])
-            if len(self._sizes) >= self.max_blocks or self.bytes >= self.max_bytes:
+            if len(self._sizes) >= self.max_blocks:
                 return None
             name = next(self._names)
             self._sizes[name] = 0
@@ -285,6 +341,11 @@ class BlockPool(ProcessBound):
             return
         with self._lock:
             self._release(name)
+        self._released()
+
+    def _released(self) -> None:
+        if self.on_release is not None:
+            self.on_release()
 
     def release_soon(self, name: str) -> None:
         """`release` from a finalizer (the last view of a block collected): in place if the
@@ -299,6 +360,7 @@ class BlockPool(ProcessBound):
             self._release(name)
         finally:
             self._lock.release()
+        self._released()
 
     def _release(self, name: str) -> None:
         if name not in self._sizes:
@@ -308,8 +370,9 @@ class BlockPool(ProcessBound):
             self._holds[name] = holds
             return
         idle_after = self.idle_bytes + self._sizes[name]
-        if (self._closed or name in self._once or self.bytes > self.max_bytes
-                or idle_after > self._max_idle):
+        # with a budget, the room is weighed after the release, when what waited for it asks
+        over = idle_after > self._max_idle and self.on_release is None
+        if self._closed or name in self._once or over:
             self._remove(name)
         elif name not in self._free:
             self._free.append(name)
@@ -395,6 +458,11 @@ class BlockPool(ProcessBound):
     def bytes(self) -> int:
         """Bytes of the blocks that exist now."""
         return sum(self._sizes.values())
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the blocks holding a batch: being written, waiting, or viewed."""
+        return self.bytes - self.idle_bytes
 
     @property
     def idle_bytes(self) -> int:

@@ -1,0 +1,144 @@
+"""A decode process writes each sample into its row of the shared block as it comes (`Rows`),
+and a pass's first chunk is decoded in parts that write into one block: both give what one
+`default_collate` of the samples gives, values and dtypes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioloader
+from aioloader import default_collate
+from aioloader._runtime import shm, transport
+from aioloader._runtime.decode import DecodeSpec, join_rows, respond
+from aioloader._runtime.messages import Chunk, ChunkResult
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm (Linux)")
+
+BENCHMARK = Path(__file__).parent.parent / "benchmarks" / "memory_budget.py"
+
+
+def rich(index: int) -> dict[str, Any]:
+    """Arrays (large enough for a block), numbers, text and nesting."""
+    return {"image": np.full((64, 64, 8), index, np.float32), "label": index,
+            "name": f"s{index}", "pair": (np.arange(3, dtype=np.int16) + index, 0.5 * index)}
+
+
+def widening(index: int) -> dict[str, Any]:
+    """Sample 2 on has a wider dtype than the first: collate widens the batch."""
+    dtype = np.int8 if index < 2 else np.int64
+    return {"image": np.full((64, 64, 8), index, np.float32), "rows": np.full(4, index, dtype)}
+
+
+def picky(index: int) -> dict[str, Any]:
+    if index in (1, 6):
+        raise ValueError(f"sample {index} is bad")
+    return rich(index)
+
+
+def expected(decode: Callable[[int], Any], indices: list[int]) -> Any:
+    samples = []
+    for index in indices:
+        try:
+            samples.append(decode(index))
+        except ValueError:
+            continue
+    return default_collate(samples)
+
+
+def same(ours: Any, theirs: Any) -> None:
+    if isinstance(theirs, np.ndarray):
+        assert isinstance(ours, np.ndarray) and ours.dtype == theirs.dtype
+        assert np.array_equal(ours, theirs)
+    elif isinstance(theirs, dict):
+        assert ours.keys() == theirs.keys()
+        for key in theirs:
+            same(ours[key], theirs[key])
+    elif isinstance(theirs, (tuple, list)):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs)
+        for mine, other in zip(ours, theirs, strict=True):
+            same(mine, other)
+    else:
+        assert ours == theirs
+
+
+def mapped(result: ChunkResult, slot: transport.Slot) -> Any:
+    """The result's batch, its places mapped out of the block."""
+    assert result.failure is None, result.failure
+    if not result.shared:
+        return result.items[0]
+    block = shm.attach(slot.name)
+    return transport.views(block, result.items, lambda: None)[0]
+
+
+@pytest.fixture
+def fresh_name() -> Any:
+    name = shm.new_name("test")
+    yield name
+    shm.unlink(name)
+
+
+@pytest.mark.parametrize("decode", [rich, widening])
+def test_rows_written_as_samples_come_give_one_collate(decode: Callable[[int], Any],
+                                                      fresh_name: str) -> None:
+    spec = DecodeSpec(decode, default_collate, skip_errors=False, seed=0)
+    slot = transport.Slot(fresh_name, 0)
+    result = respond(spec, Chunk(0, list(range(5)), list(range(5)), slot))
+    same(mapped(result, slot), expected(decode, list(range(5))))  # widened: as a list
+
+
+def test_parts_of_a_first_chunk_write_their_rows_into_the_first_parts_block(
+        fresh_name: str) -> None:
+    spec = DecodeSpec(picky, default_collate, skip_errors=True, seed=0)
+    indices = list(range(8))
+    slot = transport.Slot(fresh_name, 0)
+    first = respond(spec, Chunk(0, indices[:1], indices[:1], slot, rows=8))
+    assert first.shared and first.layout is not None
+    lent = transport.Slot(fresh_name, first.needed)
+    parts = [respond(spec, Chunk(0, piece, piece, lent, rows=8, first_row=start,
+                                 layout=first.layout))
+             for start, piece in ((1, indices[1:5]), (5, indices[5:]))]
+    memory = np.frombuffer(shm.attach(fresh_name), np.uint8)
+    joined = join_rows([first, *parts], [1, 4, 3], memory)
+    assert [position for position, _ in joined.skipped] == [1, 6]
+    joined.shared = True
+    same(mapped(joined, slot), expected(picky, indices))
+
+
+class Indices(aioloader.Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    async def fetch(self, index: int) -> int:
+        return index
+
+
+def test_a_loaders_first_batch_in_parts_with_skips_is_the_inline_batch() -> None:
+    options: dict[str, Any] = dict(decode=picky, batch_size=8, on_error="skip")
+    ours = aioloader.Loader(Indices(), num_workers=2, **options)
+    inline = aioloader.Loader(Indices(), num_workers=0, **options)
+    with ours, inline:
+        for mine, theirs in zip(ours, inline, strict=True):
+            same(mine, theirs)
+
+
+@pytest.mark.parametrize("row", [(50, 2, 128, "process"), (50, 2, 128, "None"),
+                                 (100, 1, 256, "process")])
+def test_memory_limit_bounds_shared_memory_and_every_processs_heap(
+        row: tuple[int, int, int, str]) -> None:
+    """Samples 1,000,000 times their raw size, a consumer that holds no batch while it
+    sleeps: peak /dev/shm plus the peak heap growth of every process of the job stays within
+    the limit, plus 64 MiB for the interpreters' own (`benchmarks/memory_budget.py`)."""
+    size, batch, limit, service = row
+    output = subprocess.run([sys.executable, str(BENCHMARK), str(size), str(batch), str(limit),
+                             service, "1"], capture_output=True, text=True, timeout=240)
+    assert output.returncode == 0, output.stderr
+    got = json.loads(output.stdout.strip().splitlines()[-1])
+    assert got["total_mib"] <= limit + 64, got
