@@ -106,12 +106,14 @@ class Service:
         self._writer = writer
         self._loop, self._thread = asyncio.get_running_loop(), threading.get_ident()
         beat = self._loop.create_task(self._beat())
+        self._factory.budget.on_shed.append(self._tell_removed)
         try:
             while True:
                 await self._answer(await read_message(reader))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the trainer closed its end, or died
         finally:
+            self._factory.budget.on_shed.remove(self._tell_removed)
             beat.cancel()
             await self._stop()
             self._writer.close()

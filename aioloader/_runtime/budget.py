@@ -44,6 +44,9 @@ class MemoryBudget:
         self.limit = limit
         self.blocks = blocks
         self._holders: list[Holder] = []
+        self.on_shed: list[Callable[[], None]] = []
+        """Called after idle blocks may have been removed: a service tells its clients at once,
+        as a client's mapping would keep a removed block's memory."""
         self.sample_bytes: float | None = None
         """A decoded sample's bytes, on average, as the passes have learnt it (None: no
         chunk decoded yet); kept from pass to pass, so only a loader's first pass decodes
@@ -72,6 +75,8 @@ class MemoryBudget:
         if self.blocks is not None:
             promised = sum(holder.blocks_promised for holder in self._holders)
             self.blocks.keep_idle(max(0, self.room()) + promised)
+            for tell in list(self.on_shed):
+                tell()
         for holder in list(self._holders):
             holder.wake()
 
