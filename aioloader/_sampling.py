@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -115,6 +115,17 @@ def default_rank_and_world_size() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+class ReadRoom(Protocol):
+    """The memory limit's account as a stream reading ahead sees it: a piece is read ahead
+    only if it fits, and is counted until it is handed over."""
+
+    def fits(self, size: int) -> bool: ...
+
+    def hold(self, size: int) -> None: ...
+
+    def let_go(self, size: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What a stream needs to read its share of an epoch."""
@@ -131,6 +142,8 @@ class ShardInfo:
     that no rank has taken yet (None: all of them)."""
     read_bytes: int | None = None
     """What a stream may hold in reads ahead of the consumer, in bytes (None: no bound)."""
+    read_room: ReadRoom | None = None
+    """The memory limit's account, for what a stream reads ahead (None: none kept)."""
     first_items: int = 0
     """Items the pass's first batch takes from this rank (0: not known). A stream that reads
     in large pieces may read these apart, first, so the first batch waits for them only."""

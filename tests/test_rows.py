@@ -4,6 +4,7 @@ and a pass's first chunk is decoded in parts that write into one block: both giv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 
 import aioloader
 from aioloader import default_collate
+from aioloader._datasets.streaming import ordered_ahead
 from aioloader._runtime import shm, transport
+from aioloader._runtime.budget import MemoryBudget, ReadAhead
 from aioloader._runtime.decode import DecodeSpec, join_rows, respond
 from aioloader._runtime.messages import Chunk, ChunkResult
 
@@ -142,3 +145,28 @@ def test_memory_limit_bounds_shared_memory_and_every_processs_heap(
     assert output.returncode == 0, output.stderr
     got = json.loads(output.stdout.strip().splitlines()[-1])
     assert got["total_mib"] <= limit + 64, got
+
+
+async def test_a_stream_reads_ahead_within_the_memory_limits_room_and_counts_it() -> None:
+    """Pieces read ahead (a stream's windows) are counted in the account until handed over,
+    and only those that fit in its room are read ahead; closing early gives all of it back."""
+    budget = MemoryBudget(limit=250)
+    room = ReadAhead(budget)
+    started: list[int] = []
+    in_flight: list[int] = []
+
+    def job(n: int) -> tuple[Callable[[], Any], int]:
+        async def read() -> int:
+            started.append(n)
+            in_flight.append(budget.held())
+            await asyncio.sleep(0)
+            return n
+        return read, 100
+
+    pieces = ordered_ahead((job(n) for n in range(6)), ahead=5, room=room)
+    got = [await pieces.__anext__()]
+    assert started == [0, 1] and max(in_flight) <= 250  # 100 each: a third would not fit
+    got.append(await pieces.__anext__())
+    assert budget.held() <= 250
+    await pieces.aclose()
+    assert got == [0, 1] and budget.held() == 0 and room.held_here == 0

@@ -163,7 +163,8 @@ class IndexedStream(Stream):
                     read, weight = job(s, e)
                     yield functools.partial(after_early, read, early if n == 0 else 0), weight
 
-            async for ids, items in ordered_ahead(jobs(), self.pieces_ahead, budget):
+            async for ids, items in ordered_ahead(jobs(), self.pieces_ahead, budget,
+                                                  info.read_room):
                 for pair in zip(ids.tolist(), items, strict=True):
                     yield pair
 

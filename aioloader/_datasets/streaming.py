@@ -9,6 +9,8 @@ from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import TypeVar
 
+from .._sampling import ReadRoom
+
 T = TypeVar("T")
 
 
@@ -31,11 +33,13 @@ async def ordered_ahead(
     jobs: Iterable[tuple[Callable[[], Awaitable[T]], int]],
     ahead: int,
     max_bytes: int | None = None,
+    room: ReadRoom | None = None,
 ) -> AsyncGenerator[T, None]:
     """The results of `jobs` (each a coroutine function and the bytes its result will hold),
     in order: while one result is awaited or used, up to `ahead` more are read, as long as
-    all of them hold at most `max_bytes` (one always may, when nothing else is held). Closing
-    the generator cancels what is running."""
+    all of them hold at most `max_bytes` and each fits in the memory limit's `room` (one
+    always may, when nothing else is held). `room` counts a result from its start until it
+    is handed over. Closing the generator cancels what is running."""
     pending = iter(jobs)
     running: deque[tuple[asyncio.Future[T], int]] = deque()
     held = 0
@@ -43,12 +47,14 @@ async def ordered_ahead(
 
     def start(limit: int) -> None:
         nonlocal held, upcoming
-        while upcoming is not None and len(running) < limit and (
-            held == 0 or max_bytes is None or held + upcoming[1] <= max_bytes
-        ):
+        while upcoming is not None and len(running) < limit and (held == 0 or (
+                (max_bytes is None or held + upcoming[1] <= max_bytes)
+                and (room is None or room.fits(upcoming[1])))):
             job, weight = upcoming
             running.append((asyncio.ensure_future(job()), weight))
             held += weight
+            if room is not None:
+                room.hold(weight)
             upcoming = next(pending, None)
 
     try:
@@ -57,9 +63,17 @@ async def ordered_ahead(
             if not running:
                 return
             future, weight = running.popleft()
-            yield await future
+            try:
+                result = await future
+            finally:
+                if room is not None:
+                    room.let_go(weight)  # handed over: its items count where they go
+            yield result
+            del result
             held -= weight
     finally:
         for future, _ in running:
             future.cancel()
+        if room is not None:
+            room.let_go(sum(weight for _, weight in running))
         await asyncio.gather(*(future for future, _ in running), return_exceptions=True)

@@ -39,6 +39,34 @@ class Holder(Protocol):
         ...
 
 
+class ReadAhead:
+    """What a stream reads ahead of its pass (`_sampling.ReadRoom`): counted from the read's
+    start until the stream hands its items over (the pass counts them then, as raw items). A
+    holder only while it holds something."""
+
+    blocks_promised = 0
+
+    def __init__(self, budget: MemoryBudget) -> None:
+        self._budget = budget
+        self.held_here = 0
+
+    def fits(self, size: int) -> bool:
+        return size <= self._budget.room()
+
+    def hold(self, size: int) -> None:
+        if not self.held_here:
+            self._budget.join(self)
+        self.held_here += size
+
+    def let_go(self, size: int) -> None:
+        self.held_here -= size
+        if not self.held_here:
+            self._budget.leave(self)
+
+    def wake(self) -> None:
+        """A stream asks again when its consumer takes an item."""
+
+
 class MemoryBudget:
     def __init__(self, limit: int, blocks: BlockPool | None = None) -> None:
         self.limit = limit

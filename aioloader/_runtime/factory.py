@@ -30,7 +30,7 @@ from ..storage._diskcache import DiskCache
 from ..storage._hedge import Hedger
 from ..storage._storage import Storage
 from . import autotune, shm
-from .budget import MemoryBudget
+from .budget import MemoryBudget, ReadAhead
 from .decode import DecodeSpec
 from .decoders import Decoder, InlineDecoder, PoolDecoder, Recovery
 from .passes import Pass, PassConfig
@@ -114,9 +114,10 @@ class PassFactory:
 
     def shard_info(self, epoch: int, remaining: Intervals | None = None) -> ShardInfo:
         config = self.config
-        ranks = self.share.ranks if self.share is not None else 1  # streams read ahead in
+        ranks = self.share.ranks if self.share is not None else 1  # a node: a share each
         return ShardInfo(config.rank, config.world_size, epoch, config.seed, config.shuffle,
                          config.drop_last, remaining, config.memory_limit // 2 // ranks,
+                         ReadAhead(self.budget),
                          (config.batch_size or 1) * self.steps_per_chunk())
 
     def steps_per_chunk(self) -> int:
