@@ -483,6 +483,7 @@ class Loader(Closing, AsyncClosing):
             loop.call(self._close_pass(running), bound, "end of the pass")
         finally:
             loop.stop()
+            del self  # a notebook keeps an interrupted pass's exception, and so this frame
 
     # -- passes in a loader service ------------------------------------------------------------
 
@@ -500,6 +501,7 @@ class Loader(Closing, AsyncClosing):
                 yield box.pop()  # held by the trainer alone: `del batch` frees its block
         finally:
             self._service_pass_over(client, finished)
+            del self  # a notebook keeps an interrupted pass's exception, and so this frame
 
     def _open_service_pass(self) -> ServiceClient:
         """Start a pass in the service (started now if need be), where the loader stands."""
@@ -628,6 +630,7 @@ class _AsyncPass:
             item = await self._pass.next()
         except BaseException:
             await self.aclose()
+            del self  # a notebook keeps an interrupted cell's exception, and so this frame
             raise
         if item is END:
             await self.aclose()
@@ -679,6 +682,7 @@ class _AsyncServicePass:
             got = await client.next_async()
         except BaseException:
             await self.aclose()
+            del self  # a notebook keeps an interrupted cell's exception, and so this frame
             raise
         if got is None:
             self._done = True

@@ -4,22 +4,25 @@ collected at the wrong moment, or a loop that a dataset wedges, never hangs the 
 from __future__ import annotations
 
 import gc
+import signal
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import psutil
 import pytest
+from test_service import wait_until_gone
 
 import aioloader
 import aioloader._loader
-from aioloader._runtime import reaper
+from aioloader._runtime import reaper, shm
 from aioloader._runtime.channel import Channel
 from aioloader._runtime.zygote import Zygote
 
-from conftest import ended
-from decoders import index_and_pid
+from conftest import ended, snapshot
+from decoders import index_and_pid, stuck_on_five
 
 
 def test_a_loader_collected_inside_a_zygote_request_does_not_deadlock_on_its_lock(
@@ -100,3 +103,31 @@ def test_a_wedged_event_loop_gives_a_stall_error_not_a_hang(
         next(iter(loader))
     assert time.monotonic() - started < 15
     loader.close()
+
+
+@pytest.mark.parametrize("service", [None, "process"])
+def test_an_interrupted_pass_whose_exception_is_kept_does_not_keep_its_loader(
+    local_paths: list[str], service: str | None
+) -> None:
+    """A notebook keeps an interrupted cell's exception (IPython's last result, `sys.last_value`),
+    and with it every frame it went through: the pass's iterator among them must not keep the
+    Loader, so that `del loader` ends its service and frees its blocks."""
+    loader = aioloader.Loader(aioloader.Files(local_paths[:16]), decode=stuck_on_five,
+                              batch_size=4, num_workers=1, service=service)
+    collected = weakref.ref(loader)
+    main = threading.main_thread().ident
+    assert main is not None
+    kept: BaseException | None = None
+    try:
+        for n, _ in enumerate(loader):  # the second batch never comes: sample 5 is stuck
+            if n == 0:
+                threading.Timer(1.0, signal.pthread_kill, (main, signal.SIGINT)).start()
+    except KeyboardInterrupt as e:  # Ctrl-C, as a notebook's interrupt sends it
+        kept = e
+    assert kept is not None and kept.__traceback__ is not None
+    family = [psutil.Process(pid) for pid in snapshot().processes]
+    prefixes = [shm.prefix(process.pid) for process in family] + [shm.prefix()]
+    del loader
+    gc.collect()
+    assert collected() is None  # its finalizer ran: service, processes and blocks go
+    wait_until_gone(family, prefixes)
