@@ -112,6 +112,7 @@ def test_an_interrupted_pass_whose_exception_is_kept_does_not_keep_its_loader(
     """A notebook keeps an interrupted cell's exception (IPython's last result, `sys.last_value`),
     and with it every frame it went through: the pass's iterator among them must not keep the
     Loader, so that `del loader` ends its service and frees its blocks."""
+    before = snapshot().processes  # the session's servers are not the Loader's
     loader = aioloader.Loader(aioloader.Files(local_paths[:16]), decode=stuck_on_five,
                               batch_size=4, num_workers=1, service=service)
     collected = weakref.ref(loader)
@@ -125,7 +126,7 @@ def test_an_interrupted_pass_whose_exception_is_kept_does_not_keep_its_loader(
     except KeyboardInterrupt as e:  # Ctrl-C, as a notebook's interrupt sends it
         kept = e
     assert kept is not None and kept.__traceback__ is not None
-    family = [psutil.Process(pid) for pid in snapshot().processes]
+    family = [psutil.Process(pid) for pid in snapshot().processes - before]
     prefixes = [shm.prefix(process.pid) for process in family] + [shm.prefix()]
     del loader
     gc.collect()
