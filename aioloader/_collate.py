@@ -43,9 +43,9 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
             return np.stack(samples)
         dtype = np.result_type(*samples)  # as without `allocate`: widened, never cut
         return np.stack(samples, out=allocate((len(samples), *first.shape), dtype))
-    scalar_type = _scalar_dtype(first)
+    scalar_type = scalar_dtype(first)
     if scalar_type is not None:
-        types = {_scalar_dtype(s) for s in samples}
+        types = {scalar_dtype(s) for s in samples}
         if len(types) > 1 and None not in types:  # promoted, as torch does: never truncated
             scalar_type = np.result_type(*(t for t in types if t is not None))
         array = np.array(samples, dtype=scalar_type)
@@ -105,7 +105,7 @@ def by_field(values: Sequence[Any], combine: Callable[[Sequence[Any]], Any]) -> 
     return NotImplemented
 
 
-def _scalar_dtype(value: Any) -> np.dtype[Any] | None:
+def scalar_dtype(value: Any) -> np.dtype[Any] | None:
     """The dtype a batch of these scalars gets, as torch does; None if not a scalar."""
     if isinstance(value, np.generic):
         return value.dtype

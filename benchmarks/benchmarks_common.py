@@ -11,6 +11,21 @@ import numpy as np
 import requests
 from tqdm import tqdm
 
+import aioloader
+
+
+class Indices(aioloader.Dataset):
+    """`count` samples, each its index: the decode makes the sample (or nothing does)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    async def fetch(self, index: int) -> int:
+        return index
+
 
 class RequestsDataset:
     """What a PyTorch user writes for remote data: a map-style dataset, one GET per item."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+from benchmarks_common import Indices
 
 import aioloader
 
@@ -35,17 +36,6 @@ ROWS = [
 ]
 STEP_SECONDS = 0.2
 BATCHES = 8
-
-
-class Indices(aioloader.Dataset):
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __len__(self) -> int:
-        return self.count
-
-    async def fetch(self, index: int) -> int:
-        return index
 
 
 class Filled:

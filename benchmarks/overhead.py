@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from benchmarks_common import samples_per_second
+from benchmarks_common import Indices, samples_per_second
 
 import aioloader
 
@@ -27,17 +27,8 @@ from 1.05x to 1.90x between runs."""
 BATCH = 64
 
 
-class InMemory(aioloader.Dataset):
+class InMemory(Indices):
     """Also a map-style dataset for PyTorch (len and getitem)."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-
-    def __len__(self) -> int:
-        return self.count
-
-    async def fetch(self, index: int) -> int:
-        return index
 
     def __getitem__(self, index: int) -> int:
         return index

@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 
 from .._cache import CachedSample, SharedCache
-from .._collate import Stacked, by_field, check_same_shapes, concatenate, default_collate
+from .._collate import (
+    Stacked,
+    by_field,
+    check_same_shapes,
+    concatenate,
+    default_collate,
+    scalar_dtype,
+)
 from .._sampling import sample_rng
 from .._stats import now
 from . import transport
@@ -317,7 +324,7 @@ def _arrays_by_place(value: Any, replace: Callable[[tuple[Any, ...], Any], Any],
 
 def _count_numbers(value: Any) -> int:
     """Numbers in a sample (each becomes an array of the batch: room is kept for them)."""
-    if isinstance(value, (bool, int, float, np.generic)):
+    if scalar_dtype(value) is not None:
         return 1
     if isinstance(value, Mapping):
         return sum(map(_count_numbers, value.values()))

@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 import heapq
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from .messages import Chunk, ChunkResult, Layout
 from .sources import SKIPPED, Pending, estimate_bytes
 from .tasks import TaskSet
 from .transport import BlockPool, Slot
+
+T = TypeVar("T")
 
 END = object()
 """What `Pass.next` returns after the last batch."""
@@ -130,8 +132,7 @@ class Pass:
         self._ahead = 0
         self._samples_per_step = config.batch_size or 1
         self._raw_per_sample = 0.0
-        self._result_per_sample = self._budget.sample_bytes or 0.0
-        """Moving averages of a sample's bytes, raw and decoded."""
+        """A moving average of a raw item's bytes (a decoded sample's is the account's)."""
         self._decoding = 0
         self._decoded_any = False
         self._parts = config.first_chunk_parts
@@ -304,7 +305,7 @@ class Pass:
         after it; with nothing read ahead, a chunk may always be read."""
         if not self._raw_per_sample:
             return self.config.memory_limit  # nothing arrived yet: one chunk at a time
-        per_sample = self._result_per_sample or self._raw_per_sample
+        per_sample = self._budget.sample_bytes or self._raw_per_sample
         window = self.config.decode_window * self.config.steps_per_chunk * self._samples_per_step
         raw = max(self._raw, int(self._ahead * self._raw_per_sample))  # reads in flight too
         return raw + max(self._budget.held() - self._raw, int(window * per_sample))
@@ -435,8 +436,7 @@ class Pass:
         self._results += in_heap
         if pending.indices:
             per_sample = held / len(pending.indices)
-            self._result_per_sample = _averaged(self._result_per_sample, per_sample, 8)
-            self._budget.sample_bytes = self._result_per_sample
+            self._budget.sample_bytes = _averaged(self._budget.sample_bytes or 0.0, per_sample, 8)
         if isinstance(outcome, Failed):
             self._handover.put(Finished(pending.first_step, outcome, in_heap, moment))
             return
@@ -519,13 +519,12 @@ class Pass:
         try:
             room = max(0, self._budget.room())
             parts = max(1, min(parts, len(rest), int(room // sample) if sample else parts))
-            size = -(-len(rest) // parts)
-            pieces = [rest[start:start + size] for start in range(0, len(rest), size)]
+            pieces = _divided(rest, parts)
             lent = transport.Slot(slot.name, first.needed)
             chunks = [self._chunk_of(pending, piece, lent, rows=len(kept),
-                                     first_row=1 + size * n, layout=first.layout)
+                                     first_row=1 + len(pieces[0]) * n, layout=first.layout)
                       for n, piece in enumerate(pieces)]
-            results = await self._run_all(chunks)
+            results = await _every(map(self._run, chunks))  # they share a block
         finally:
             self._reserved -= first.needed
         memory = np.frombuffer(shm.attach(slot.name), np.uint8)
@@ -542,19 +541,11 @@ class Pass:
                              parts: int) -> tuple[ChunkResult, int]:
         """The rest of a first chunk in `parts` parts, each in a block of its own, joined here
         with the first sample's result, then put in a shared block as a decode process would."""
-        decoded = [first]
-        sizes = [1]
-        if rest:
-            size = -(-len(rest) // parts)
-            pieces = [rest[start:start + size] for start in range(0, len(rest), size)]
-            outcomes = await asyncio.gather(
-                *(self._decode_part(pending, piece, here=True) for piece in pieces),
-                return_exceptions=True)  # every part ends before the chunk does, even on failure
-            for outcome in outcomes:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            decoded += [cast(tuple[ChunkResult, int], outcome)[0] for outcome in outcomes]
-            sizes += map(len, pieces)
+        pieces = _divided(rest, parts) if rest else []
+        parts_decoded = await _every(self._decode_part(pending, piece, here=True)
+                                     for piece in pieces)
+        decoded = [first, *(result for result, _ in parts_decoded)]
+        sizes = [1, *map(len, pieces)]
         # the parts' bytes: at least what the joined arrays need
         needed = sum(transport.shared_bytes(part.items) for part in decoded)
         slot = (self._blocks.lease() if self._blocks is not None
@@ -599,14 +590,6 @@ class Pass:
             raise
         self._record(result)
         return result
-
-    async def _run_all(self, chunks: list[Chunk]) -> list[ChunkResult]:
-        """Every chunk ends before this does, even when one fails (they share a block)."""
-        outcomes = await asyncio.gather(*map(self._run, chunks), return_exceptions=True)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
-        return cast(list[ChunkResult], outcomes)
 
     def _receive(self, result: ChunkResult, slot: Slot | None, here: bool = False) -> int:
         """Map a result's arrays out of its shared block, or give the unused block back; the
@@ -693,6 +676,22 @@ class Pass:
             return None
         seconds, what = max(candidates)
         return f"{what} has been in flight for {seconds:.0f} s"
+
+
+def _divided(positions: list[int], parts: int) -> list[list[int]]:
+    """`positions` in at most `parts` consecutive pieces of one size (the last shorter)."""
+    size = -(-len(positions) // parts)
+    return [positions[start:start + size] for start in range(0, len(positions), size)]
+
+
+async def _every(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Their results, in order; each ends before this returns, even when one fails (the
+    parts of a chunk: then the first failure is raised)."""
+    outcomes = await asyncio.gather(*awaitables, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return cast(list[T], outcomes)
 
 
 def _averaged(average: float, value: float, weight: int) -> float:

@@ -156,8 +156,15 @@ def allocator(slot: Slot, needed: int) -> BlockAllocator | None:
 
 
 def _block(slot: Slot, needed: int) -> mmap.mmap | None:
+    """The slot's block mapped: created at `needed` bytes for a fresh name, else attached if it
+    can hold them (None if not)."""
     if slot.size == 0:
-        return shm.create(slot.name, needed, populate=True)
+        try:
+            return shm.create(slot.name, needed, populate=True)
+        except FileExistsError:  # made by a process that died writing this chunk, which
+            shm.refuse_foreign(slot.name)  # was sent again with its slot: made anew
+            shm.unlink(slot.name)
+            return shm.create(slot.name, needed, populate=True)
     if needed <= slot.size:
         return shm.attach(slot.name, populate=True)
     return None
@@ -185,25 +192,16 @@ class BlockAllocator:
         if the lent block is smaller, NoSpace if /dev/shm cannot hold a fresh one."""
         if self._memory is not None:
             return
-        if self._slot.size == 0:
-            name = self._slot.name
-            try:
-                block = shm.create(name, needed, populate=True)
-            except FileExistsError:  # made by a process that died writing this chunk, which
-                shm.refuse_foreign(name)  # was sent again with its slot: made anew
-                shm.unlink(name)
-                block = shm.create(name, needed, populate=True)
-            self._memory, self._created = np.frombuffer(block, np.uint8), True
-        elif needed > self._slot.size:
+        block = _block(self._slot, needed)
+        if block is None:
             raise NoRoom
-        else:
-            self.open_lent()
+        self._memory, self._created = np.frombuffer(block, np.uint8), self._slot.size == 0
 
     def open_lent(self) -> None:
         if self._memory is None:
             if self._slot.size == 0:
                 raise NoRoom  # a fresh name: nothing to map until the size is known
-            self._memory = np.frombuffer(shm.attach(self._slot.name, populate=True), np.uint8)
+            self.open(self._slot.size)
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
         self.open_lent()
