@@ -16,8 +16,7 @@ import pytest
 from test_service import wait_until_gone
 
 import aioloader
-import aioloader._loader
-from aioloader._runtime import reaper, shm
+from aioloader._runtime import handles, reaper, shm
 from aioloader._runtime.channel import Channel
 from aioloader._runtime.zygote import Zygote
 
@@ -95,7 +94,7 @@ class Wedged(aioloader.Dataset):
 def test_a_wedged_event_loop_gives_a_stall_error_not_a_hang(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(aioloader._loader, "EXTRA_SECONDS", 0.5)
+    monkeypatch.setattr(handles, "EXTRA_SECONDS", 0.5)
     loader = aioloader.Loader(Wedged(), batch_size=4, num_workers=0, stall_timeout=1,
                               service=None)
     started = time.monotonic()

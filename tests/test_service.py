@@ -25,6 +25,7 @@ from test_tarshards import write_shards
 
 import aioloader
 from aioloader._runtime import shm
+from aioloader._runtime.handles import ServiceHandle
 
 from conftest import ended
 from decoders import (
@@ -327,8 +328,8 @@ def test_a_broken_off_pass_whose_stop_is_unanswered_does_not_leak_into_the_next(
     urls: list[str],
 ) -> None:
     with aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=10) as loader:
-        client = loader._service.get(loader)
         for _ in range(3):  # three passes stopped without waiting, as dropped iterators are
-            loader._open_service_pass()
-            loader._service_pass_over(client, False, wait=False)
+            handle = loader._runner.open()
+            assert isinstance(handle, ServiceHandle)
+            handle.close(wait=False)
         assert [_plain(b) for b in loader] == [list(range(n, n + 10)) for n in range(0, 100, 10)]

@@ -1,0 +1,154 @@
+"""A Loader's passes, one at a time: where it stands in the epochs (`Position`, one value with
+one owner), the handle of the running pass, and closing it from any thread.
+
+The kind of handle (`handles.LocalHandle` or `handles.ServiceHandle`) is chosen here, once,
+when the Runner is made; nothing else branches on where passes run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+from .._errors import LoaderError
+from .._sampling import Intervals
+from .factory import PassFactory
+from .handles import CLOSE_WAIT_SECONDS, Handle, LocalHandle, Opening, ServiceHandle
+from .service_holder import ServiceHolder
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a Loader stands: replaced, never changed in place."""
+
+    epoch: int = 0
+    position: int = 0
+    """Where the last pass stood: the global position in the epoch's order (map-style data),
+    or the items this rank handed over (streams)."""
+    resume_at: int | None = None
+    """Where the next pass starts, set by `load_state_dict`; None: the epoch's beginning."""
+    remaining: Intervals | None = None
+    """Streams divided by samples: what the last pass (or the next, when resuming) divides
+    among the ranks; None for the whole epoch."""
+
+    def started(self) -> Position:
+        """Where a pass starts: the resume point, else the beginning of the epoch."""
+        if self.resume_at is None:
+            return Position(self.epoch)
+        return Position(self.epoch, self.resume_at, None, self.remaining)
+
+    def ended(self, finished: bool, position: int) -> Position:
+        if finished:
+            return Position(self.epoch + 1)
+        return dataclasses.replace(self, position=position)
+
+    def at_epoch(self, epoch: int) -> Position:
+        """The beginning of `epoch`; a resume point in that same epoch is kept, as a training
+        loop that resumes and then calls `set_epoch(epoch)` expects."""
+        if self.resume_at is not None and epoch == self.epoch:
+            return self
+        return Position(epoch)
+
+
+class Runner:
+    """Opens a Loader's passes where its configuration says (here or in its service), one at
+    a time, and books where each one leaves the Loader."""
+
+    def __init__(self, factory: PassFactory, service: ServiceHolder) -> None:
+        self._factory = factory
+        self._service = service
+        self._kind: type[Handle] = ServiceHandle if factory.config.service else LocalHandle
+        self._at = Position()
+        self._handle: Handle | None = None
+        self._opening = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)
+
+    @property
+    def at(self) -> Position:
+        return self._at
+
+    @property
+    def position(self) -> int:
+        """Where the running pass stands, else where the last one stood."""
+        handle = self._handle
+        return handle.position if handle is not None else self._at.position
+
+    def move(self, at: Position) -> None:
+        """`set_epoch`, `load_state_dict`: the next pass starts at `at`."""
+        with self._lock:
+            self._at = at
+
+    def open(self) -> Handle:
+        """A started pass for `for`."""
+        self._factory.pools.check_process()
+        opening = self._reserve()
+        try:
+            handle = self._kind.open(opening)
+        except BaseException:
+            self._unreserve()
+            raise
+        return self._running(handle)
+
+    async def open_async(self, opened: list[Handle]) -> None:
+        """A started pass for `async for`, put in `opened` as soon as it exists."""
+        self._factory.pools.check_process()
+        dropped = self._handle
+        if dropped is not None:
+            dropped.settle_here()  # its release, queued on this loop, has not run yet
+        opening = self._reserve()
+        try:
+            handle = await self._kind.open_async(opening)
+        except BaseException:
+            self._unreserve()
+            raise
+        opened.append(self._running(handle))
+
+    def _reserve(self) -> Opening:
+        """A pass whose iterator was dropped is given a bounded wait for its release, which a
+        finalizer handed to the reaper or the pass's loop."""
+        with self._lock:
+            if self._closed:
+                raise LoaderError("this Loader is closed; build a new one")
+            if self._handle is not None and self._handle.dropped:
+                self._ended.wait_for(lambda: self._handle is None, CLOSE_WAIT_SECONDS)
+            if self._handle is not None or self._opening:
+                raise LoaderError(
+                    "a pass over this Loader is already running (in another thread or task); "
+                    "a Loader runs one pass at a time: finish or break that loop first"
+                )
+            self._opening = True
+            self._at = at = self._at.started()
+        config = self._factory.config
+        return Opening(at.epoch, at.position, at.remaining, self._factory,
+                       lambda: self._service.start(config), self._pass_ended)
+
+    def _unreserve(self) -> None:
+        with self._lock:
+            self._opening = False
+
+    def _running(self, handle: Handle) -> Handle:
+        with self._lock:
+            self._handle, self._opening, closed = handle, False, self._closed
+        if closed:  # closed while the pass was being opened
+            handle.interrupt(LoaderError("the Loader was closed"), self._factory.pools.foreign)
+        return handle
+
+    def _pass_ended(self, handle: Handle) -> None:
+        with self._lock:
+            if self._handle is not handle:
+                return
+            self._at = self._at.ended(handle.finished, handle.position)
+            self._handle = None
+            self._ended.notify_all()
+
+    def close(self) -> None:
+        """No pass opens from now on; a running one raises LoaderError at its next batch."""
+        with self._lock:
+            self._closed = True
+            handle = self._handle
+        if handle is not None:
+            handle.interrupt(LoaderError("the Loader was closed while a pass was running"),
+                             self._factory.pools.foreign)
