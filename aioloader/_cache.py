@@ -169,7 +169,7 @@ class SharedCache(Closing):
 
     # -- set-up -----------------------------------------------------------------------------
 
-    def _attach(self, capacity: int) -> None:
+    def attach(self, capacity: int) -> None:
         """Create the segments for sample indices 0..capacity-1, or, for a named cache that
         another process on this machine made already, join it."""
         if self._index is None and self.name is not None:
@@ -273,7 +273,7 @@ class SharedCache(Closing):
         self._map()
         return 0 <= index < self.capacity and self._inside(*self._entry(index))
 
-    def _lookup(self, index: int) -> bool:
+    def lookup(self, index: int) -> bool:
         """Whether `index` is cached, counted as a hit or a miss (the loader asks this)."""
         found = index in self
         if found:
@@ -300,7 +300,7 @@ class SharedCache(Closing):
                 "remove the cache's segments to start it afresh"
             ) from None
 
-    def _put(self, index: int, value: Any) -> bool:
+    def put(self, index: int, value: Any) -> bool:
         """Store `value` for `index` unless it is there already, does not fit, or is not data;
         True if stored. Safe to call from several processes at once."""
         self._map()

@@ -36,7 +36,6 @@ from ._runtime.blocking import off_loop
 from ._runtime.factory import PassFactory
 from ._runtime.handles import AsyncIteration, iterate
 from ._runtime.runner import Position, Runner
-from ._runtime.service_holder import ServiceHolder
 from ._sampling import (
     ShardInfo,
     call_with_shard_info,
@@ -44,6 +43,7 @@ from ._sampling import (
     default_rank_and_world_size,
     steps_in_epoch,
 )
+from ._service.holder import ServiceHolder
 from ._stats import LoaderStats
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._diskcache import DiskCache

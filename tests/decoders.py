@@ -107,9 +107,9 @@ def cache_member(name: str, commands: Any, replies: Any) -> None:
     """Another training process on the node: joins the named cache, reads what the first
     process stored, stores a sample of its own, and leaves when told to."""
     cache = aioloader.SharedCache(0.01, name=name)
-    cache._attach(10)
+    cache.attach(10)
     replies.put(cache.get(1).tolist() if 1 in cache else None)
-    cache._put(2, np.arange(3))
+    cache.put(2, np.arange(3))
     replies.put("stored")
     if commands.get(timeout=60) == "close":
         cache.close()

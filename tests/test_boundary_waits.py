@@ -11,7 +11,7 @@ import time
 import pytest
 
 import aioloader
-from aioloader._runtime import service_client
+from aioloader._service import client as service_client
 
 from decoders import index_of
 

@@ -72,9 +72,9 @@ def test_samples_beyond_the_limit_are_not_cached(urls: list[str]) -> None:
 def test_cached_values_are_read_only_and_segments_go_with_close(urls: list[str]) -> None:
     before = segments()
     cache = aioloader.SharedCache(0.01)
-    cache._attach(10)
+    cache.attach(10)
     assert len(segments() - before) == 2
-    assert cache._put(3, (np.arange(5), "label")) and not cache._put(3, (np.arange(2), "x"))
+    assert cache.put(3, (np.arange(5), "label")) and not cache.put(3, (np.arange(2), "x"))
     array, label = cache.get(3)
     assert label == "label" and array.tolist() == [0, 1, 2, 3, 4] and not array.flags.writeable
     assert 3 in cache and 4 not in cache
@@ -134,8 +134,8 @@ def test_one_named_cache_per_node_removed_by_the_last_process(ending: str) -> No
     context = multiprocessing.get_context("spawn")
     commands, replies = context.Queue(), context.Queue()
     first = aioloader.SharedCache(0.01, name=name)
-    first._attach(10)
-    first._put(1, np.arange(4))
+    first.attach(10)
+    first.put(1, np.arange(4))
     other = context.Process(target=cache_member, args=(name, commands, replies))
     other.start()
     try:

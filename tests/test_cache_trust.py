@@ -130,7 +130,7 @@ def use(name: str) -> str:
     cache = SharedCache(0.01, name=name)
     outcomes = []
     steps: list[Callable[[], object]] = [
-        lambda: cache._attach(10), lambda: cache.get(0), lambda: cache._put(1, np.arange(3)),
+        lambda: cache.attach(10), lambda: cache.get(0), lambda: cache.put(1, np.arange(3)),
         lambda: 0 in cache,
     ]
     for step in steps:
@@ -296,11 +296,11 @@ def test_a_corrupt_entry_is_a_miss_or_a_clear_error_never_a_crash(
 ) -> None:
     expected, corrupt = CORRUPTIONS[corruption]
     with SharedCache(0.01) as cache:
-        cache._attach(4)
-        assert cache._put(0, np.arange(10)) and cache._put(1, "intact")
+        cache.attach(4)
+        assert cache.put(0, np.arange(10)) and cache.put(1, "intact")
         corrupt(cache, drop / "marker")
         if expected == "miss":
-            assert 0 not in cache and not cache._put(0, np.arange(3))  # the slot stays taken
+            assert 0 not in cache and not cache.put(0, np.arange(3))  # the slot stays taken
         else:
             assert 0 in cache
             with pytest.raises(CorruptEntry, match="entry of sample 0 is corrupt"):
@@ -312,10 +312,10 @@ def test_a_corrupt_entry_is_a_miss_or_a_clear_error_never_a_crash(
 @pytest.mark.parametrize("used", [-4096, 1 << 40])
 def test_a_corrupt_header_stops_the_caching_instead_of_writing_anywhere(used: int) -> None:
     with SharedCache(0.01) as cache:
-        cache._attach(4)
+        cache.attach(4)
         overwrite(cache.names[0], 0, struct.pack("<qqqq", 1 << 40, used, 0, 0))
-        assert not cache._put(2, np.arange(10)) and 2 not in cache
-        assert 1000 not in cache and not cache._put(1000, 1)  # beyond the index segment
+        assert not cache.put(2, np.arange(10)) and 2 not in cache
+        assert 1000 not in cache and not cache.put(1000, 1)  # beyond the index segment
         with pytest.raises(KeyError):
             cache.get(1000)
         assert cache.report()["samples"] == 0
@@ -323,9 +323,9 @@ def test_a_corrupt_header_stops_the_caching_instead_of_writing_anywhere(used: in
 
 def test_a_joiner_of_another_size_writes_within_the_segment(name: str) -> None:
     with SharedCache(0.001, name=name) as small, SharedCache(0.01, name=name) as large:
-        small._attach(4)
-        large._attach(4)
+        small.attach(4)
+        large.attach(4)
         assert large.report()["size_limit_gib"] == small.report()["size_limit_gib"]
-        assert large._put(1, np.arange(3)) and small.get(1).tolist() == [0, 1, 2]
+        assert large.put(1, np.arange(3)) and small.get(1).tolist() == [0, 1, 2]
         big = np.zeros(2 << 20, np.uint8)  # fits the size asked for, not the segment made
-        assert not large._put(0, big) and large.report()["full"] == 1
+        assert not large.put(0, big) and large.report()["full"] == 1

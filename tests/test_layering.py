@@ -120,6 +120,47 @@ def test_the_services_build_passes_with_the_factory_and_never_import_the_loader(
     """A service that built a Loader to reach its private wiring (`_new_storage`,
     `_decoder`, `_blocks`) broke whenever the Loader changed; the factory is the seam."""
     graph = _imports()
-    for service in ("aioloader._service", "aioloader._node_service"):
+    for service in ("aioloader._service.server", "aioloader._service.node_server"):
         assert "aioloader._loader" not in graph[service], service
         assert "aioloader._runtime.factory" in graph[service], service
+
+
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def _members_by_module() -> dict[str, set[str]]:
+    """Per module: the names its classes define (methods, class attributes, `self.x = ...`)."""
+    defined: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        names = defined.setdefault(_module_name(path), set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        names.add(item.target.id)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                names.add(node.attr)
+    return defined
+
+
+def test_no_module_reaches_into_the_private_members_of_another_modules_classes() -> None:
+    """`Loader` is a front: the services and the runtime use the factory and the handles,
+    never `loader._x`; the same holds for every class (the cache's `attach`, `lookup`, `put`
+    are the loader's way in, and say so)."""
+    defined = _members_by_module()
+    reached = []
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = getattr(node, "attr", "")
+            if (not isinstance(node, ast.Attribute) or not name.startswith("_")
+                    or name.startswith("__") or name in NAMEDTUPLE_API
+                    or (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                continue
+            owners = {m for m, names in defined.items() if name in names}
+            if owners and module not in owners:
+                reached.append(f"{module}:{node.lineno} .{name} of {sorted(owners)}")
+    assert not reached, "\n".join(reached)

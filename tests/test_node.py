@@ -29,13 +29,14 @@ import pytest
 from test_service import _epochs, _plain, wait_until_gone
 
 import aioloader
-from aioloader._runtime import node, shm
+from aioloader._runtime import shm
 from aioloader._runtime.channel import Channel
 from aioloader._runtime.decode import DecodeSpec
 from aioloader._runtime.decoders import PoolDecoder, Recovery
 from aioloader._runtime.messages import Chunk, Environment
 from aioloader._runtime.pool import DecodePool
-from aioloader._runtime.service_client import ServiceInit
+from aioloader._service import rendezvous as node
+from aioloader._service.messages import Failed, ServiceInit
 
 from decoders import big_image, fail_on_seven, index_and_noise, stuck_on_five
 
@@ -283,7 +284,7 @@ def test_a_service_refuses_a_rank_whose_fingerprint_differs(urls: list[str]) -> 
         channel.send(ServiceInit(rank._service.code, Environment.here(), "f" * 64))
         reply = channel.receive()
         channel.close()
-        assert reply[0] == "failed" and "another configuration" in reply[1]
+        assert isinstance(reply, Failed) and "another configuration" in reply.reason
     finally:
         rank.close()
 
@@ -349,7 +350,7 @@ def test_another_user_cannot_reach_or_use_a_nodes_service(urls: list[str]) -> No
             outcome = _connect_as_nobody(path)
         finally:
             folder.chmod(0o700)
-        assert outcome.startswith("reply: ('failed'") and "user 65534" in outcome
+        assert outcome.startswith("reply: Failed(") and "user 65534" in outcome
         assert [_plain(batch) for batch in rank]  # the owner is still served
     finally:
         rank.close()

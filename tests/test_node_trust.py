@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import aioloader
-from aioloader._runtime import node
+from aioloader._service import rendezvous as node
 
 from decoders import index_of
 

@@ -167,10 +167,10 @@ paths = {paths!r}
 loader = aioloader.Loader(aioloader.Files(paths), decode=big_image, batch_size=10,
                           persistent_workers=True)
 cache = aioloader.SharedCache(0.01)
-cache._attach(10)
-cache._put(1, np.arange(3))
+cache.attach(10)
+cache.put(1, np.arange(3))
 named = aioloader.SharedCache(0.01, name={name!r})
-named._attach(10)
+named.attach(10)
 batches = iter(loader)
 kept = [next(batches), next(batches)]
 print(json.dumps({{"pid": os.getpid()}}), flush=True)

@@ -294,7 +294,7 @@ def wait_until_gone(family: list[psutil.Process], prefixes: list[str]) -> None:
 def test_an_error_that_cannot_be_pickled_still_reaches_the_trainer_by_name(
     urls: list[str],
 ) -> None:
-    from aioloader._service import _portable
+    from aioloader._service.server import _portable
 
     class Odd(Exception):
         def __init__(self, a: int, b: int) -> None:

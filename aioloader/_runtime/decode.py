@@ -123,7 +123,7 @@ class DecodeSpec:
             else:
                 value = self.decode(raw)
             if self.cache is not None:
-                self.cache._put(index, value)
+                self.cache.put(index, value)
         if self.augment is None:
             return value
         if self.augment_wants_rng:

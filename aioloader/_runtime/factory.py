@@ -46,7 +46,8 @@ READ_AHEAD_PER_READ = 32
 
 
 class Share(Protocol):
-    """What a node's loader service shares among its ranks' passes (`_node_service.NodeShare`)."""
+    """What a node's loader service shares among its ranks' passes
+    (`_service.node_server.NodeShare`)."""
 
     reads: autotune.ReadLimit
     storage: Storage
@@ -74,7 +75,7 @@ class PassFactory:
         self.share = share
         dataset = config.dataset
         if config.cache is not None:
-            config.cache._attach(len(cast(Dataset, dataset)))
+            config.cache.attach(len(cast(Dataset, dataset)))
         self.concurrency = config.concurrency
         """Reads allowed in flight now: `config.concurrency`, or what tuning chose."""
         self.stats = LoaderStats()

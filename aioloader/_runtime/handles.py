@@ -20,12 +20,12 @@ from typing import Any
 from .._errors import LoaderError
 from .._loopthread import LoopThread
 from .._sampling import Intervals
+from .._service.client import EXTRA_SECONDS, ServiceClient
 from .._stats import LoaderStats, now
 from . import reaper
 from .blocking import off_loop
 from .factory import PassFactory
 from .passes import END, Pass
-from .service_client import EXTRA_SECONDS, ServiceClient
 
 CLOSE_WAIT_SECONDS = 5.0
 """How long closing a Loader from another thread waits for its running pass to close."""

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from .._errors import LoaderError
 from .._sampling import Intervals
+from .._service.holder import ServiceHolder
 from .factory import PassFactory
 from .handles import CLOSE_WAIT_SECONDS, Handle, LocalHandle, Opening, ServiceHandle
-from .service_holder import ServiceHolder
 
 
 @dataclass(frozen=True)

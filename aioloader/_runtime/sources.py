@@ -146,7 +146,7 @@ class PlannedSource:
             self._tasks.start(self._fetch_many(pending, work))
             return
         for position, index in enumerate(pending.indices):
-            if self._cache is not None and self._cache._lookup(index):
+            if self._cache is not None and self._cache.lookup(index):
                 self._arrived(pending, position, CACHED, work)
                 continue
             if not self._reads.try_acquire():

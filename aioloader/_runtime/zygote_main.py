@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import select
 import signal
@@ -48,6 +49,8 @@ POLL_SECONDS = 0.25
 
 DECODE_NAME = b"aioloader-dec"
 SERVICE_NAME = b"aioloader-svc"
+SERVICE_MODULE = "aioloader._service.server"
+"""Started by name, as the node's service is: this layer imports nothing of the service's."""
 """What `ps -o comm` and `top` show for a decode process and a loader service."""
 
 
@@ -143,14 +146,15 @@ class _Server:
     def fork_service(self, client: _Client, channel: int) -> int:
         """A loader service for `client`, with a control socket of its own to this zygote
         (decode processes of its own, cleaned up when it ends)."""
-        from .._service import run as run_service
+        serve = importlib.import_module(SERVICE_MODULE).run
 
         ours, theirs = socket.socketpair()
         zygote = os.getpid()
 
         def run(descriptor: int) -> int:
             ours.close()
-            return run_service(descriptor, theirs.detach(), zygote)
+            code: int = serve(descriptor, theirs.detach(), zygote)
+            return code
 
         pid = self.fork(client, channel, run, keep=theirs, name=SERVICE_NAME)
         self.clients[ours.fileno()] = _Client(Channel(ours), pid)

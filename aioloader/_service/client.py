@@ -5,16 +5,7 @@ The service (`aioloader._service`) runs the passes: reads, decode processes, han
 the arrays the trainer gets are views of the block the decode process wrote, never copied. When
 the trainer drops the last of them, the block's name goes back with the next message.
 
-Protocol (`channel.py`'s framing). Client to service: `("open", epoch, start, remaining,
-ahead, environment, released)` (each pass's decode processes see the trainer as it is when it
-starts; blocks let go of since the last pass are free for this one), `("take", released)` (one
-batch more may be sent), `("waiting", released, received)` (the trainer waits, having
-received `received` batches of the pass: the next may be decoded past the memory limit),
-`("stop", released)` (end the pass early), `("stats", released)`.
-Service to client: `("batch", item, position)`, `("end", stats)`, `("error", error, cause,
-stats)`, `("stopped", stats)`, `("stats", stats)`, `("warning", category, message)`,
-`("removed", names)` (blocks the service unlinked: stop mapping them). `stats` are a pickled
-snapshot; `position` is where the pass stands once the batch is handed over.
+The messages both ways are in `messages`.
 """
 
 from __future__ import annotations
@@ -32,17 +23,35 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from .._closing import ProcessBound
 from .._errors import LoaderError, RemoteTraceback
+from .._runtime import shm
+from .._runtime.channel import Channel, dumps_data
+from .._runtime.messages import Environment
+from .._runtime.transport import Exported, views
+from .._runtime.zygote import START_TIMEOUT, Zygote
 from .._stats import LoaderStats
-from . import shm
-from .channel import Channel, dumps_data
-from .messages import Environment
-from .transport import Exported, views
-from .zygote import START_TIMEOUT, Zygote
+from .messages import (
+    Alive,
+    AskStats,
+    Batch,
+    ClientMessage,
+    End,
+    Error,
+    Open,
+    PassMessage,
+    Ready,
+    Removed,
+    ServiceInit,
+    Stats,
+    Stop,
+    Stopped,
+    Take,
+    Waiting,
+    Warned,
+)
 
 AHEAD = 2
 """Batches the service may send before the trainer takes them: one to train on, one ready."""
@@ -58,19 +67,6 @@ SILENCE_SECONDS = 15.0
 debugger) or its loop is wedged, and waiting for its watchdog would take `stall_timeout`."""
 
 
-@dataclass(frozen=True)
-class ServiceInit:
-    """The first message a loader service gets: the configuration, pickled, and where the
-    training process runs (its import path, environment, working directory). A node's service
-    also gets the configuration's fingerprint, which every rank it serves must share, and the
-    packages to import before forking decode processes."""
-
-    code: bytes
-    environment: Environment
-    fingerprint: str = ""
-    packages: tuple[str, ...] = ()
-
-
 class ServiceClient(ProcessBound):
     """A connection to a loader service, and the pass it runs for this process: a service
     started for this process alone (`spawn`), or a node's, shared with the other ranks
@@ -83,7 +79,7 @@ class ServiceClient(ProcessBound):
         self.shared = shared
         self._channel = Channel(sock)
         self._timeout = stall_timeout + EXTRA_SECONDS
-        self._stream: deque[tuple[Any, ...]] = deque()
+        self._stream: deque[PassMessage] = deque()
         """Messages of the pass stream (batches, its end), in order."""
         self._replies: deque[bytes] = deque()
         """Stats snapshots asked for."""
@@ -137,19 +133,19 @@ class ServiceClient(ProcessBound):
         except BaseException:
             self.close()
             raise
-        if reply[0] != "ready":
+        if not isinstance(reply, Ready):
             self.close()
-            raise LoaderError(f"the loader service could not be set up: {reply[1]}") from (
-                RemoteTraceback(reply[2]) if reply[2] else None)
-        self.pid = reply[1]
+            raise LoaderError(f"the loader service could not be set up: {reply.reason}") from (
+                RemoteTraceback(reply.traceback) if reply.traceback else None)
+        self.pid = reply.pid
         sock.settimeout(SILENCE_SECONDS)
 
     # -- the pass ---------------------------------------------------------------------------
 
     def open(self, epoch: int, start: int, remaining: tuple[tuple[int, int], ...] | None
              ) -> None:
-        self._send(("open", epoch, start, remaining, AHEAD, Environment.here(),
-                    self._take_released()))
+        self._send(Open(self._take_released(), epoch, start, remaining, AHEAD,
+                        Environment.here()))
         self.pass_open = True
         self._received = 0
 
@@ -166,7 +162,7 @@ class ServiceClient(ProcessBound):
         may be decoded past the memory limit (batches asked ahead may not). The count of
         batches received lets the service tell one still on its way."""
         if not self._stream:
-            self._send(("waiting", self._take_released(), self._received))
+            self._send(Waiting(self._take_released(), self._received))
 
     async def next_async(self) -> tuple[Any, int] | None:
         """`next()` for `async for`: the caller's loop waits for the socket to be readable,
@@ -207,7 +203,7 @@ class ServiceClient(ProcessBound):
         released). `wait`: until the service has closed the pass."""
         self._discarding += 1
         self.pass_open = False
-        self._send(("stop", self._take_released()))
+        self._send(Stop(self._take_released()))
         if wait:
             started = time.monotonic()
             while self._discarding:
@@ -217,43 +213,43 @@ class ServiceClient(ProcessBound):
     def stats(self) -> bytes:
         """A snapshot of the service's stats, pickled."""
         started = time.monotonic()
-        self._send(("stats", self._take_released()))
+        self._send(AskStats(self._take_released()))
         self._wait(lambda: bool(self._replies), started)
         return self._replies.popleft()
 
-    def _pop(self) -> tuple[Any, ...] | None:
+    def _pop(self) -> PassMessage | None:
         """The next message of the current pass; those of a stopped pass are dropped."""
         while self._stream:
             message = self._stream.popleft()
             if not self._discarding:
                 return message
-            if message[0] == "stopped":
+            if isinstance(message, Stopped):
                 self._discarding -= 1
-                self.last_stats = message[1]
-            elif message[0] == "batch" and isinstance(message[1], Exported):
-                self._released.append(message[1].name)
+                self.last_stats = message.stats
+            elif isinstance(message, Batch) and isinstance(message.item, Exported):
+                self._released.append(message.item.name)
         return None
 
-    def _deliver(self, message: tuple[Any, ...]) -> tuple[Any, int] | None:
-        kind = message[0]
-        if kind == "batch":
+    def _deliver(self, message: PassMessage) -> tuple[Any, int] | None:
+        if isinstance(message, Batch):
             self._received += 1
-            _, item, position = message
+            item = message.item
             if isinstance(item, Exported):
                 name = item.name
                 block = self._maps.get(name)
                 if block is None:
                     block = self._maps[name] = shm.attach(name)
                 item = views(block, item.value, lambda: self._released.append(name))
-            self._send(("take", self._take_released()))
-            return item, position
+            self._send(Take(self._take_released()))
+            return item, message.position
         self.pass_open = False
-        if kind == "end":
-            self.last_stats = message[1]
+        self.last_stats = message.stats
+        if isinstance(message, End):
             return None
-        _, error, cause, self.last_stats = message
-        if cause:
-            error.__cause__ = RemoteTraceback(cause)
+        assert isinstance(message, Error), message
+        error = message.error
+        if message.cause:
+            error.__cause__ = RemoteTraceback(message.cause)
         raise error
 
     # -- the socket -------------------------------------------------------------------------
@@ -272,7 +268,7 @@ class ServiceClient(ProcessBound):
             raise LoaderError(f"the loader service (pid {self.pid}) cannot be used: "
                               f"{self.broken}")
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: ClientMessage) -> None:
         self._check_usable()
         data = dumps_data(message)  # an open's warning filters may name classes of __main__
         try:
@@ -312,16 +308,16 @@ class ServiceClient(ProcessBound):
             self.broken = "a message from it was cut short"
             raise
         self._heard_at = time.monotonic()
-        if message[0] == "alive":
+        if isinstance(message, Alive):
             return
-        if message[0] == "warning":
-            warnings.warn(message[2], message[1], stacklevel=3)
+        if isinstance(message, Warned):
+            warnings.warn(message.message, message.category, stacklevel=3)
             return
-        if message[0] == "removed":  # views still held keep their mapping alive
-            for name in message[1]:
+        if isinstance(message, Removed):  # views still held keep their mapping alive
+            for name in message.names:
                 self._maps.pop(name, None)
             return
-        (self._replies.append(message[1]) if message[0] == "stats"
+        (self._replies.append(message.stats) if isinstance(message, Stats)
          else self._stream.append(message))
         with self._arrived:
             self._arrived.notify_all()

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._errors import LoaderError
-from .messages import Environment
-from .service_client import ServiceClient, ServiceInit
-from .zygote import START_TIMEOUT
+from .._runtime.messages import Environment
+from .._runtime.zygote import START_TIMEOUT
+from .client import ServiceClient
+from .messages import ServiceInit
 
 FOLDER_NAMES = 8
 """Names tried in one place (`aioloader-UID`, `aioloader-UID-1`, ...) before the next place."""
@@ -216,7 +217,7 @@ def _start(folder: Folder, name: str) -> socket.socket:
                            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         with open(log_file, "ab") as log_output:  # what it says, should it fail
             service = subprocess.Popen(
-                [sys.executable, "-m", "aioloader._node_service", str(listening.fileno()),
+                [sys.executable, "-m", "aioloader._service.node_server", str(listening.fileno()),
                  path],
                 pass_fds=[listening.fileno(), folder.descriptor], start_new_session=True,
                 env=environment, stdin=subprocess.DEVNULL, stdout=log_output, stderr=log_output,

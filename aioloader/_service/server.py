@@ -10,7 +10,7 @@ blocks named with the service's pid. It dies with the zygote, which dies with th
 
 Batches go out as `Exported` parts (the block's name and the places of the arrays), which the
 client maps; the service holds the block until the client says the last view is gone. The
-client's side and the protocol are in `_runtime.service_client`.
+client's side is in `client`, the messages in `messages`.
 """
 
 from __future__ import annotations
@@ -29,17 +29,36 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from ._config import LoaderConfig
-from ._errors import LoaderError, RemoteTraceback
-from ._loopthread import new_event_loop
-from ._runtime.channel import Channel, dumps, dumps_data, frame, read_message
-from ._runtime.decode import one_line
-from ._runtime.factory import PassFactory
-from ._runtime.passes import END, Pass
-from ._runtime.service_client import HEARTBEAT_SECONDS, ServiceInit
-from ._runtime.transport import Exported
-from ._runtime.zygote import Zygote
-from ._stats import snapshot
+from .._config import LoaderConfig
+from .._errors import LoaderError, RemoteTraceback
+from .._loopthread import new_event_loop
+from .._runtime.channel import Channel, dumps, dumps_data, frame, read_message
+from .._runtime.decode import one_line
+from .._runtime.factory import PassFactory
+from .._runtime.passes import END, Pass
+from .._runtime.transport import Exported
+from .._runtime.zygote import Zygote
+from .._stats import snapshot
+from .client import HEARTBEAT_SECONDS
+from .messages import (
+    Alive,
+    AskStats,
+    Batch,
+    ClientMessage,
+    End,
+    Error,
+    Failed,
+    Open,
+    Ready,
+    Removed,
+    ServiceInit,
+    Stats,
+    Stop,
+    Stopped,
+    Take,
+    Waiting,
+    Warned,
+)
 
 
 def run(descriptor: int, zygote_descriptor: int, zygote_pid: int) -> int:
@@ -57,9 +76,9 @@ def run(descriptor: int, zygote_descriptor: int, zygote_pid: int) -> int:
         factory = PassFactory(dataclasses.replace(config, service=None), export=True)
     except BaseException as e:
         with contextlib.suppress(OSError):
-            channel.send(("failed", one_line(e), traceback.format_exc()))
+            channel.send(Failed(one_line(e), traceback.format_exc()))
         return 1
-    channel.send(("ready", os.getpid()))
+    channel.send(Ready(os.getpid()))
     loop = new_event_loop()
     blocks = factory.blocks
     service = Service(factory, blocks.take_removed if blocks is not None else list)
@@ -124,7 +143,7 @@ class Service:
         is stopped or wedged within seconds, not after `stall_timeout`."""
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
-            self._send(("alive",))
+            self._send(Alive())
 
     def _give_back(self) -> None:
         """Blocks the client held when it left (closed, or killed) are unlinked: a trainer's
@@ -135,31 +154,28 @@ class Service:
                 blocks.retire(name)
         self._sent.clear()
 
-    async def _answer(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "open":
-            _, epoch, start, remaining, ahead, environment, released = message
+    async def _answer(self, message: ClientMessage) -> None:
+        if isinstance(message, Open):
             await self._stop()
-            self._release(released)
+        self._release(message.released)
+        if isinstance(message, Open):
             if self._own_process:
-                environment.take_on()
-            self._credits = asyncio.Semaphore(ahead)
+                message.environment.take_on()
+            self._credits = asyncio.Semaphore(message.ahead)
             self._sent_in_pass, self._client_waits = 0, False
             self._pass = asyncio.get_running_loop().create_task(
-                self._run_pass(epoch, start, remaining))
-            return
-        self._release(message[1])
-        if kind == "take":
+                self._run_pass(message.epoch, message.start, message.remaining))
+        elif isinstance(message, Take):
             self._credits.release()
-        elif kind == "waiting" and message[2] >= self._sent_in_pass:
+        elif isinstance(message, Waiting) and message.received >= self._sent_in_pass:
             self._client_waits = True
             if self._running is not None:
                 self._running.hurry()
-        elif kind == "stop":
+        elif isinstance(message, Stop):
             await self._stop()
-            self._send(("stopped", self._stats()))
-        elif kind == "stats":
-            self._send(("stats", self._stats()))
+            self._send(Stopped(self._stats()))
+        elif isinstance(message, AskStats):
+            self._send(Stats(self._stats()))
 
     async def _run_pass(self, epoch: int, start: int, remaining: Any) -> None:
         running = self._running = await self._open_or_report(epoch, start, remaining)
@@ -175,7 +191,7 @@ class Service:
                     if not handed:  # client's alone now: released when the client says so
                         return
                 except Exception as e:  # the pass's failure, or a batch that cannot travel
-                    self._send(("error", *_portable(e), self._stats()))
+                    self._send(Error(*_portable(e), self._stats()))
                     return
                 assert self._writer is not None
                 await self._writer.drain()
@@ -188,9 +204,9 @@ class Service:
         """Send a batch (False: the end of the pass). Pickled first: a block is held for the
         client only once its batch surely goes out."""
         if item is END:
-            self._send(("end", self._stats()))
+            self._send(End(self._stats()))
             return False
-        data = dumps_data(("batch", item, running.position))
+        data = dumps_data(Batch(item, running.position))
         blocks = self._factory.blocks
         if isinstance(item, Exported) and blocks is not None:
             blocks.hold(item.name)  # the client's, until it releases it
@@ -203,7 +219,7 @@ class Service:
         try:
             return await self._factory.open(epoch, start, remaining)
         except Exception as e:
-            self._send(("error", *_portable(e), self._stats()))
+            self._send(Error(*_portable(e), self._stats()))
             return None
 
     async def _stop(self) -> None:
@@ -218,7 +234,7 @@ class Service:
              lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
         """A warning here (a decode process restarted, /dev/shm full) is the trainer's to see;
         one raised on another thread (a storage thread's) is sent from the loop's."""
-        sent = ("warning", category, str(message))
+        sent = Warned(category, str(message))
         if threading.get_ident() == self._thread or self._loop is None:
             self._send(sent)
         else:
@@ -237,7 +253,7 @@ class Service:
     def _stats(self) -> bytes:
         return pickle.dumps(snapshot(self._factory.stats), pickle.HIGHEST_PROTOCOL)
 
-    def _send(self, message: tuple[Any, ...]) -> None:
+    def _send(self, message: Alive | Stopped | Stats | End | Error | Warned) -> None:
         self._write(dumps(message))
 
     def _write(self, data: bytes) -> None:
@@ -248,7 +264,7 @@ class Service:
     def _tell_removed(self) -> None:
         removed = self._take_removed()
         if removed:
-            self._frame(dumps(("removed", removed)))
+            self._frame(dumps(Removed(removed)))
 
     def _frame(self, data: bytes) -> None:
         assert self._writer is not None

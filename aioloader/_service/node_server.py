@@ -1,8 +1,8 @@
 """A node's loader service (`service="node"`): one process serving every rank of a job that
 builds the same Loader.
 
-A rank starts it (`_runtime.node`), with the socket already listening; it serves each rank
-that connects as the process service serves its one client (`_service.Service`), but every
+A rank starts it (`rendezvous`), with the socket already listening; it serves each rank
+that connects as the process service serves its one client (`server.Service`), but every
 rank's passes share what the node has once: the read budget (`concurrency`), the connection
 pools, the hedger and disk cache (`NodeShare.storage`), the decode processes (`num_workers`),
 whose waiting chunks go earliest step first, so the rank furthest behind is served first, and
@@ -30,21 +30,22 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
-from ._config import LoaderConfig
-from ._errors import LoaderError
-from ._loopthread import new_event_loop
-from ._runtime import autotune, node, shm
-from ._runtime.blocking import off_loop
-from ._runtime.budget import MemoryBudget
-from ._runtime.channel import dumps, frame, read_message
-from ._runtime.decode import one_line
-from ._runtime.decoders import Decoder, PoolDecoder, SharedDecoder
-from ._runtime.factory import PassFactory
-from ._runtime.messages import Chunk
-from ._runtime.service_client import ServiceInit
-from ._runtime.transport import BlockPool
-from ._runtime.zygote import START_TIMEOUT, Zygote
-from ._service import Service
+from .._config import LoaderConfig
+from .._errors import LoaderError
+from .._loopthread import new_event_loop
+from .._runtime import autotune, shm
+from .._runtime.blocking import off_loop
+from .._runtime.budget import MemoryBudget
+from .._runtime.channel import dumps, frame, read_message
+from .._runtime.decode import one_line
+from .._runtime.decoders import Decoder, PoolDecoder, SharedDecoder
+from .._runtime.factory import PassFactory
+from .._runtime.messages import Chunk
+from .._runtime.transport import BlockPool
+from .._runtime.zygote import START_TIMEOUT, Zygote
+from . import rendezvous
+from .messages import Failed, Ready, ServiceInit
+from .server import Service
 
 REFUSAL_SECONDS = 5.0
 """How long a refused peer has to read why before its connection is closed."""
@@ -155,12 +156,12 @@ class _Node:
         with, and remove the socket unless a new service already took its place."""
         if self._connections:
             return False
-        with node.locked(self._path.with_suffix(".lock")):
+        with rendezvous.locked(self._path.with_suffix(".lock")):
             if self._connections:
                 return False
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(self._path).st_ino == self._inode:  # not a new service's
-                    node.remove_ended(str(self._path))
+                    rendezvous.remove_ended(str(self._path))
             server.close()
             self._ending = True
         return True
@@ -202,14 +203,14 @@ class _Node:
             init: ServiceInit = await asyncio.wait_for(read_message(reader), START_TIMEOUT)
             async with self._setting_up:
                 factory = await self._rank_factory(init)
-            writer.writelines(frame(dumps(("ready", os.getpid()))))
+            writer.writelines(frame(dumps(Ready(os.getpid()))))
             await writer.drain()
             return factory
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError):
             pass
         except Exception as e:
             traceback.print_exc()  # into the service's log
-            writer.writelines(frame(dumps(("failed", one_line(e), ""))))
+            writer.writelines(frame(dumps(Failed(one_line(e), ""))))
             with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
                 await writer.drain()
                 await asyncio.wait_for(_until_closed(reader), REFUSAL_SECONDS)
@@ -225,7 +226,7 @@ class _Node:
             config: LoaderConfig = pickle.loads(init.code)
             init.environment.filter_warnings()  # the categories the configuration imported
             await off_loop(Zygote.get().preload, list(init.packages))
-            self._share = NodeShare(config, node.local_ranks())
+            self._share = NodeShare(config, rendezvous.local_ranks())
             self._fingerprint = init.fingerprint
         elif init.fingerprint != self._fingerprint:
             raise LoaderError(
@@ -261,7 +262,7 @@ async def _until_closed(reader: asyncio.StreamReader) -> None:
 
 def _check_peer(sock: socket.socket) -> None:
     """Refuse a peer of another user (the folder already keeps them out, but not root)."""
-    pid, uid = node.peer_uid(sock)
+    pid, uid = rendezvous.peer_uid(sock)
     if uid != os.getuid():
         raise LoaderError(f"this loader service belongs to user {os.getuid()}; process {pid} "
                           f"of user {uid} may not use it")

@@ -12,14 +12,15 @@ from collections import deque
 from .._closing import ProcessBound
 from .._config import LoaderConfig
 from .._errors import LoaderError
+from .._runtime import shm
+from .._runtime.channel import dumps
+from .._runtime.decode import DecodeSpec
+from .._runtime.fingerprint import fingerprint
+from .._runtime.preload import packages_behind
+from .._runtime.zygote import Zygote
 from .._stats import LoaderStats
-from . import node, shm
-from .channel import dumps
-from .decode import DecodeSpec
-from .fingerprint import fingerprint
-from .preload import packages_behind
-from .service_client import ServiceClient, load_stats
-from .zygote import Zygote
+from . import rendezvous
+from .client import ServiceClient, load_stats
 
 
 class ServiceHolder(ProcessBound):
@@ -77,7 +78,7 @@ class ServiceHolder(ProcessBound):
                 self._client.close()
                 self._client = None
             if self._client is None:
-                self._client = node.connect(
+                self._client = rendezvous.connect(
                     self.code, self.fingerprint, self.packages, config.stall_timeout
                 ) if config.service == "node" else ServiceClient.spawn(
                     self.code, self.packages, config.stall_timeout)
