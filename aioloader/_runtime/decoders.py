@@ -27,10 +27,12 @@ PER_PROCESS = 2
 STATUS_WAIT = 5.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Recovery:
-    """What a decoder does with a chunk past its deadline or a worker that died, the same
-    for the pool and for every backend (`remote.RemoteDecoder`)."""
+    """The rules for a chunk past its deadline and a worker that died, written once for the
+    pool and every backend (`remote.RemoteDecoder`): a worker lost is replaced and its chunk
+    sent again, up to `max_restarts` per pass; a chunk that killed two workers is not sent a
+    third time; a chunk given up on fails, or has its samples skipped."""
 
     decode_timeout: float | None
     max_restarts: int
@@ -41,13 +43,48 @@ class Recovery:
     """Told why, each time a worker was lost and its chunks sent again."""
     on_timeout: Callable[[], None] | None = None
     """Told of each chunk given up on at its deadline, for the loader's stats."""
+    restarts: int = 0
+    """Workers lost in this pass."""
 
-    def timed_out(self) -> float:
-        """A chunk was given up on at its deadline: tell, and give the deadline."""
+    def worker_lost(self, worker: str, cause: str, indices: list[int], again: str
+                    ) -> WorkerDiedError | None:
+        """Count `worker` lost (`cause`) while it decoded `indices`: the error that ends the
+        pass once past `max_restarts`; else None, having told that `again` happens."""
+        self.restarts += 1
+        if self.restarts > self.max_restarts:
+            return WorkerDiedError(
+                f"{worker} ended abruptly ({cause}) while decoding samples {short_list(indices)}"
+                f", after {self.max_restarts} restarts in this pass (max_worker_restarts); the "
+                "OOM killer or a crash in native code are the usual causes")
+        self.on_restart(f"{worker} ended abruptly ({cause}); {again}")
+        return None
+
+    def killed_twice(self, chunk: Chunk, worker: str, cause: str) -> ChunkResult | Exception:
+        """A chunk whose second worker died under it: not sent again."""
+        return self.give_up(chunk, WorkerDiedError(
+            f"samples {short_list(chunk.indices)} killed a {worker} twice ({cause}); they are "
+            "not sent again"), f"killed a {worker} twice ({cause})")
+
+    def past_deadline(self, chunk: Chunk, where: str, then: str) -> ChunkResult | Exception:
+        """A chunk that ran past `decode_timeout` `where`; `then`: what became of its worker."""
         assert self.decode_timeout is not None
         if self.on_timeout is not None:
             self.on_timeout()
-        return self.decode_timeout
+        return self.give_up(chunk, DecodeTimeoutError(
+            f"decoding samples {short_list(chunk.indices)} took longer than "
+            f"decode_timeout={self.decode_timeout:g} s {where}; {then}"
+        ), f"decode took longer than decode_timeout={self.decode_timeout:g} s")
+
+    def give_up(self, chunk: Chunk, error: Exception, reason: str) -> ChunkResult | Exception:
+        """A chunk that will not be decoded: all its samples skipped, or its error."""
+        if not self.skip_errors:
+            return error
+        return ChunkResult([], [(n, reason) for n in range(len(chunk.indices))])
+
+
+def short_list(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, values[:limit]))
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 class Decoder(Protocol):
@@ -123,11 +160,6 @@ def describe_exit(status: int | None) -> str:
     return f"exit code {status}"
 
 
-def short_list(values: list[int], limit: int = 8) -> str:
-    shown = ", ".join(map(str, values[:limit]))
-    return f"[{shown}{', ...' if len(values) > limit else ''}]"
-
-
 class PoolDecoder:
     """A pass's hold on the decode pool (or, in a node's loader service, every rank's).
 
@@ -152,7 +184,7 @@ class PoolDecoder:
         self._get_pool = get_pool
         self._owns_pool = owns_pool
         self._pool_or_none: DecodePool | None = None
-        self._recovery = recovery
+        self.recovery = recovery
         self._loop = asyncio.get_running_loop()
         self._ids = itertools.count()
         self._waiting: list[tuple[int, int, int, _Job]] = []
@@ -161,7 +193,6 @@ class PoolDecoder:
         """Per process id: the chunks sent to it, in the order it runs them."""
         self._failure: BaseException | None = None
         self._tasks = TaskSet()
-        self.restarts = 0
         self.on_ignored: Callable[[Chunk], None] | None = None
         """Told of each chunk whose result came after its pass gave up on it."""
         self._let_go = False
@@ -179,7 +210,7 @@ class PoolDecoder:
             return
         self._pool_or_none = pool
         pool.listen(self._on_message, self._loop)
-        if self._recovery.decode_timeout is not None:
+        if self.recovery.decode_timeout is not None:
             self._tasks.start(self._watch_deadlines())
         for process in list(pool.processes):
             if process.retired or not process.alive:
@@ -279,27 +310,18 @@ class PoolDecoder:
         jobs = list(self._assigned.pop(process.id, ()))
         status = await off_loop(self._pool.exit_status, process, STATUS_WAIT)
         cause = describe_exit(status)
-        self.restarts += 1
-        indices = jobs[0].chunk.indices if jobs else []
-        if self.restarts > self._recovery.max_restarts:
-            self._fail(WorkerDiedError(
-                f"{process} ended abruptly ({cause}) while decoding samples "
-                f"{short_list(indices)}, after {self._recovery.max_restarts} restarts in this pass "
-                "(max_worker_restarts); the OOM killer or a crash in native code are the "
-                "usual causes"
-            ), jobs)
+        failure = self.recovery.worker_lost(
+            str(process), cause, jobs[0].chunk.indices if jobs else [],
+            f"restarted it and sent its {len(jobs)} chunk(s) again")
+        if failure is not None:
+            self._fail(failure, jobs)
             return
-        self._recovery.on_restart(f"{process} ended abruptly ({cause}); restarted it and sent its "
-                         f"{len(jobs)} chunk(s) again")
         if jobs:
             head = jobs[0]
             head.deaths += 1
             if head.deaths >= 2:
                 jobs.pop(0)
-                self._give_up(head, WorkerDiedError(
-                    f"samples {short_list(indices)} killed a decode process twice ({cause}); "
-                    "they are not sent again"
-                ), f"killed a decode process twice ({cause})")
+                _settle(head, self.recovery.killed_twice(head.chunk, "decode process", cause))
         for job in jobs:
             self._wait(job)
         await self._replace(process)
@@ -314,37 +336,24 @@ class PoolDecoder:
         self._assigned.setdefault(fresh.id, deque())  # Ready may have come, and chunks with it
         self._dispatch()
 
-    def _give_up(self, job: _Job, error: LoaderError, reason: str) -> None:
-        """A chunk that will not be decoded: its error, or all its samples skipped."""
-        if job.future.done():
-            return
-        if self._recovery.skip_errors:
-            skipped = [(n, reason) for n in range(len(job.chunk.indices))]
-            job.future.set_result(ChunkResult([], skipped))
-        else:
-            job.future.set_exception(error)
-
     async def _watch_deadlines(self) -> None:
-        assert self._recovery.decode_timeout is not None
+        assert self.recovery.decode_timeout is not None
         while True:
-            await asyncio.sleep(min(self._recovery.decode_timeout / 4, 0.5))
+            await asyncio.sleep(min(self.recovery.decode_timeout / 4, 0.5))
             moment = now()
             for process in list(self._pool.processes):
                 queue = self._assigned.get(process.id)
                 if not queue or not queue[0].started:
                     continue
-                if moment - queue[0].started > self._recovery.decode_timeout:
+                if moment - queue[0].started > self.recovery.decode_timeout:
                     self._time_out(process, queue)
 
     def _time_out(self, process: DecodeProcess, queue: deque[_Job]) -> None:
-        timeout = self._recovery.timed_out()
         process.retire()  # no more chunks for it; its end is not a crash
         head = queue.popleft()
         self._assigned.pop(process.id, None)
-        self._give_up(head, DecodeTimeoutError(
-            f"decoding samples {short_list(head.chunk.indices)} took longer than "
-            f"decode_timeout={timeout:g} s in {process}; the process was killed"
-        ), f"decode took longer than decode_timeout={timeout:g} s")
+        _settle(head, self.recovery.past_deadline(head.chunk, f"in {process}",
+                                                  "the process was killed"))
         for job in queue:
             self._wait(job)
         self._tasks.start(self._replace(process))
@@ -402,6 +411,14 @@ class PoolDecoder:
             await off_loop(self._pool.exit_status, process, STATUS_WAIT)
         if self._owns_pool and self._pool_or_none is not None:
             await off_loop(self._pool_or_none.close)
+
+
+def _settle(job: _Job, outcome: ChunkResult | Exception) -> None:
+    if not job.future.done():
+        if isinstance(outcome, Exception):
+            job.future.set_exception(outcome)
+        else:
+            job.future.set_result(outcome)
 
 
 class SharedDecoder:

@@ -22,7 +22,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .._errors import DecodeTimeoutError, WorkerDiedError
 from .._stats import now
 from . import transport
 from .blocking import off_loop
@@ -176,13 +175,12 @@ class RemoteDecoder:
         recovery: Recovery,
     ) -> None:
         self._backend = backend
-        self._recovery = recovery
+        self.recovery = recovery
         self._ids = itertools.count()
         self._running: dict[int, RemoteTask] = {}
         """Chunks out, and those whose worker is being freed."""
         self._slots: asyncio.Semaphore | None = None
         self._freeing = TaskSet()
-        self.restarts = 0
         self._failure: BaseException | None = None
 
     async def decode(self, chunk: Chunk) -> ChunkResult:
@@ -206,7 +204,9 @@ class RemoteDecoder:
             except _PastDeadline:
                 freed = False
                 self._freeing.start(self._free(task, lost=False))
-                return self._timed_out(task)
+                where = task.where.removesuffix(", being freed") or "the executor"
+                return _given(self.recovery.past_deadline(chunk, f"on {where}",
+                                                          self._backend.on_deadline))
             except Exception as e:
                 cause = self._backend.lost(e)
                 if cause is None:
@@ -214,10 +214,14 @@ class RemoteDecoder:
                 freed = False
                 self._freeing.start(self._free(task, lost=True))
                 deaths += 1
-                if self._restart(task, cause, deaths):
-                    return self._give_up(chunk, WorkerDiedError(
-                        f"samples {short_list(chunk.indices)} killed a worker twice ({cause}); "
-                        "they are not sent again"), f"killed a worker twice ({cause})")
+                where = f" on {task.where}" if task.where else ""
+                self._failure = self.recovery.worker_lost(
+                    f"a worker{where}", cause, chunk.indices,
+                    "its chunk was sent again" if deaths < 2 else "its chunk is not sent again")
+                if self._failure is not None:
+                    raise self._failure from e
+                if deaths >= 2:
+                    return _given(self.recovery.killed_twice(chunk, "worker", cause))
             finally:
                 if freed:
                     self._running.pop(task.id, None)
@@ -229,7 +233,7 @@ class RemoteDecoder:
         loop (a round trip to a scheduler), for the watchdog and the deadline's error."""
         running = asyncio.ensure_future(self._backend.run(task))
         try:
-            timeout = self._recovery.decode_timeout
+            timeout = self.recovery.decode_timeout
             wait = timeout if timeout is not None else LOCATE_SECONDS
             done, _ = await asyncio.wait({running}, timeout=min(wait, LOCATE_SECONDS))
             if not done:
@@ -254,38 +258,6 @@ class RemoteDecoder:
             self._running.pop(task.id, None)
             self._slots.release()
 
-    def _restart(self, task: RemoteTask, cause: str, deaths: int) -> bool:
-        """Count a worker lost under `task`; True when the chunk is not to be sent again
-        (it killed two). Past the pass's budget the pass fails."""
-        self.restarts += 1
-        where = f" on {task.where}" if task.where else ""
-        if self.restarts > self._recovery.max_restarts:
-            self._failure = WorkerDiedError(
-                f"a worker{where} ended abruptly ({cause}) while decoding samples "
-                f"{short_list(task.chunk.indices)}, after {self._recovery.max_restarts} restarts "
-                "in this pass (max_worker_restarts); the OOM killer or a crash in native code are "
-                "the usual causes"
-            )
-            raise self._failure
-        if deaths < 2:
-            self._recovery.on_restart(f"a worker{where} ended abruptly ({cause}); its chunk was "
-                                      "sent again")
-        return deaths >= 2
-
-    def _timed_out(self, task: RemoteTask) -> ChunkResult:
-        timeout = self._recovery.timed_out()
-        where = task.where.removesuffix(", being freed") or "the executor"
-        return self._give_up(task.chunk, DecodeTimeoutError(
-            f"decoding samples {short_list(task.chunk.indices)} took longer than "
-            f"decode_timeout={timeout:g} s on {where}; {self._backend.on_deadline}"
-        ), f"decode took longer than decode_timeout={timeout:g} s")
-
-    def _give_up(self, chunk: Chunk, error: Exception, reason: str) -> ChunkResult:
-        """A chunk that will not be decoded: all its samples skipped, or its error."""
-        if not self._recovery.skip_errors:
-            raise error
-        return ChunkResult([], [(n, reason) for n in range(len(chunk.indices))])
-
     def in_flight(self) -> list[tuple[float, str]]:
         tasks = list(self._running.values())
         moment = now()
@@ -303,3 +275,9 @@ class RemoteDecoder:
         being freed are let go of (the freeing itself goes on)."""
         tasks = self._freeing.cancel_all()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _given(outcome: ChunkResult | Exception) -> ChunkResult:
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome

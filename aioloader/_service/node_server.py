@@ -81,7 +81,7 @@ class NodeShare:
                 old, self._decoder = self._decoder, self._pool_decoder()
                 asyncio.get_running_loop().create_task(old.aclose())
             else:
-                self._decoder.restarts = 0
+                self._decoder.recovery.restarts = 0
         return SharedDecoder(self._decoder)
 
     def _pool_decoder(self) -> Decoder:

@@ -8,16 +8,16 @@ import asyncio
 import logging
 import re
 import zlib
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from .._errors import FetchError
-from ._interface import StoreSettings, Versioned
+from ._interface import Resumed, StoreSettings, Versioned
 from ._limits import check_range, too_large
-from ._retry import Attempts, is_retryable, parse_retry_after
+from ._retry import Retryable, is_retryable, parse_retry_after
 from ._version import Version
 
 log = logging.getLogger("aioloader.storage")
@@ -29,31 +29,18 @@ _WBITS = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 """zlib's window bits for each Content-Encoding we decode (deflate means zlib-wrapped)."""
 
 
-class _RetryableStatus(Exception):
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self.status = response.status
-        self.reason = response.reason or ""
-        self.delay = parse_retry_after(response.headers.get("Retry-After"))
-
-
-RETRYABLE = (_RetryableStatus, aiohttp.ClientError, asyncio.TimeoutError)
-
-
-def _classify(error: BaseException) -> tuple[str, int | None, float | None]:
-    """(what went wrong, HTTP status, seconds the server asked to wait) of a retryable fault."""
-    if isinstance(error, _RetryableStatus):
-        return error.reason, error.status, error.delay
-    return describe(error), None, None
-
-
-async def _failed(url: str, attempts: Attempts, error: BaseException) -> None:
-    """Wait before the next attempt; or raise, when the retry budget is spent, or at once for
-    the client errors asking again cannot mend (aiohttp's are all ClientErrors)."""
-    if isinstance(error, aiohttp.TooManyRedirects):
-        raise FetchError(url, f"{len(error.history)} redirects: a redirect loop?") from error
-    if isinstance(error, aiohttp.InvalidURL):
-        raise FetchError(url, f"bad URL or redirect: {describe(error)}") from error
-    await attempts.failed(*_classify(error))
+@contextmanager
+def _mapped(url: str) -> Iterator[None]:
+    """The one boundary where aiohttp's errors become final (a FetchError: those asking again
+    cannot mend) or `Retryable`."""
+    try:
+        yield
+    except aiohttp.TooManyRedirects as e:
+        raise FetchError(url, f"{len(e.history)} redirects: a redirect loop?") from e
+    except aiohttp.InvalidURL as e:
+        raise FetchError(url, f"bad URL or redirect: {describe(e)}") from e
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise Retryable(describe(e)) from e
 
 
 def describe(error: BaseException) -> str:
@@ -63,11 +50,12 @@ def describe(error: BaseException) -> str:
 
 
 def check_status(url: str, response: aiohttp.ClientResponse) -> None:
-    """Return for 200/206; raise _RetryableStatus for faults worth retrying, FetchError else."""
+    """Return for 200/206; raise Retryable for faults worth retrying, FetchError else."""
     if response.status in (200, 206):
         return
     if is_retryable(response.status):
-        raise _RetryableStatus(response)
+        raise Retryable(response.reason or "", response.status,
+                        parse_retry_after(response.headers.get("Retry-After")))
     raise FetchError(url, response.reason or "", response.status)
 
 
@@ -180,76 +168,52 @@ class HttpStore:
         """The bytes and the answer that brought them; a 304 to `conditions` brings none."""
         check_range(url, start, end, self._max_bytes)
         session = self._get_session()
-        attempts = Attempts(url, self._policy, self._counters)
         headers = range_header(start, end) | conditions
-        while True:
-            try:
-                async with session.get(url, headers=headers) as response:
-                    if conditions and response.status == 304:
-                        self._counters.requests += 1
-                        return b"", response
-                    data = await self._plain_whole(response) if start is None else None
-                    if data is None:
-                        chunks = self._body(url, response, start, end, self._max_bytes,
-                                            _READ_CHUNK)
-                        data = b"".join([chunk async for chunk in chunks])
-                if start is not None and end is not None and len(data) != end - start:
-                    raise FetchError(
-                        url, f"short read: wanted bytes {start}..{end}, got {len(data)}"
-                    )
-                return data, response
-            except RETRYABLE as e:
-                await _failed(url, attempts, e)
+        with _mapped(url):
+            async with session.get(url, headers=headers) as response:
+                if conditions and response.status == 304:
+                    self._counters.requests += 1
+                    return b"", response
+                data = await self._plain_whole(response) if start is None else None
+                if data is None:
+                    chunks = self._body(url, response, start, end, self._max_bytes,
+                                        _READ_CHUNK)
+                    data = b"".join([chunk async for chunk in chunks])
+        if start is not None and end is not None and len(data) != end - start:
+            raise FetchError(url, f"short read: wanted bytes {start}..{end}, got {len(data)}")
+        return data, response
 
     async def size(self, url: str) -> int:
-        session = self._get_session()
-        attempts = Attempts(url, self._policy, self._counters)
-        while True:
-            try:
-                async with session.head(url, allow_redirects=True) as response:
-                    self._counters.requests += 1
-                    check_status(url, response)
-                    if response.content_length is None:
-                        raise FetchError(url, "the server sent no Content-Length for HEAD")
-                    return response.content_length
-            except RETRYABLE as e:
-                await _failed(url, attempts, e)
+        with _mapped(url):
+            async with self._get_session().head(url, allow_redirects=True) as response:
+                self._counters.requests += 1
+                check_status(url, response)
+                if response.content_length is None:
+                    raise FetchError(url, "the server sent no Content-Length for HEAD")
+                return response.content_length
 
-    async def stream(
-        self, url: str, start: int, end: int | None, chunk_size: int
-    ) -> AsyncGenerator[bytes, None]:
-        """Chunks of bytes start..end; a broken connection resumes where it stopped, in the
-        same object (If-Range, and the answer's validator and size checked), and the retry
-        budget counts failures in a row, so a long stream survives many blips. Not bound by
-        max_object_bytes: a stream holds one chunk at a time (a .rec scanned without its .idx
-        may be 100 GB)."""
-        session = self._get_session()
-        attempts = Attempts(url, self._policy, self._counters)
+    async def stream(self, url: str, start: int, end: int | None, chunk_size: int,
+                     resumed: Resumed) -> AsyncGenerator[bytes, None]:
+        """A resume asks If-Range the first answer's validator, and checks the answer's.
+        Not bound by max_object_bytes: a stream holds one chunk at a time (a .rec scanned
+        without its .idx may be 100 GB)."""
         # a stream may run for minutes: bound each wait for data, not the whole response
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=self._policy.timeout, sock_read=self._policy.timeout
         )
-        position = start
-        began: Version | None = None
-        while end is None or position < end:
-            try:
-                first = position if end is not None or position > 0 else None
-                headers = range_header(first, end) | ({} if began is None else if_range(began))
-                async with session.get(url, headers=headers, timeout=timeout) as response:
-                    if began is not None and response.status in (200, 206):
-                        began.check(url, object_version(response), position)
-                    body = self._body(url, response, first, end, None, chunk_size, whole=False)
-                    began = began or object_version(response)
-                    async with aclosing(body):
-                        async for chunk in body:
-                            position += len(chunk)
-                            attempts.reset()
-                            yield chunk
-                if end is None or position >= end:
-                    return
-                raise aiohttp.ClientPayloadError(f"body ended at byte {position} of {end}")
-            except RETRYABLE as e:
-                await _failed(url, attempts, e)
+        began = resumed.began
+        first = start if end is not None or start > 0 else None
+        headers = range_header(first, end) | ({} if began is None else if_range(began))
+        with _mapped(url):
+            async with self._get_session().get(url, headers=headers, timeout=timeout
+                                               ) as response:
+                if began is not None and response.status in (200, 206):
+                    began.check(url, object_version(response), start)
+                body = self._body(url, response, first, end, None, chunk_size, whole=False)
+                resumed.began = began or object_version(response)
+                async with aclosing(body):
+                    async for chunk in body:
+                        yield chunk
 
     async def _plain_whole(self, response: aiohttp.ClientResponse) -> bytes | None:
         """Most reads: a whole object, not encoded, whose announced size is within the

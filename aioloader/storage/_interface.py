@@ -29,6 +29,14 @@ class StoreSettings:
     max_object_bytes: int = DEFAULT_MAX_OBJECT_BYTES
 
 
+@dataclass
+class Resumed:
+    """One stream across its tries: the version of the object its first answer gave, which
+    every later try (a resume) must still find."""
+
+    began: Version | None = None
+
+
 class Versioned(NamedTuple):
     """Bytes of an object and the version of it they came from, as the answer labelled it."""
 
@@ -38,7 +46,9 @@ class Versioned(NamedTuple):
 
 class Store(Protocol):
     """Reads of the URLs of one or more schemes. Made by `Storage`, one per class, on the
-    first read of one of its URLs; `list` needs no instance."""
+    first read of one of its URLs; `list` needs no instance. Each call is one try: a store
+    maps its client's errors, at one boundary, into `Retryable` (another try may mend it) or
+    FetchError (final), and `Storage` retries."""
 
     def __init__(self, settings: StoreSettings) -> None: ...
 
@@ -55,10 +65,11 @@ class Store(Protocol):
 
     async def size(self, url: str) -> int: ...
 
-    def stream(self, url: str, start: int, end: int | None, chunk_size: int
+    def stream(self, url: str, start: int, end: int | None, chunk_size: int, resumed: Resumed
                ) -> AsyncGenerator[bytes, None]:
-        """Bytes `start` to `end` (or the object's end) in chunks; a broken stream resumes
-        in the same object or fails."""
+        """Bytes `start` to `end` (or the object's end) in chunks. The first try sets
+        `resumed.began`; a later one (a resume after a break) fails when the object is no
+        longer that version."""
         ...
 
     @classmethod

@@ -13,7 +13,7 @@ from urllib.parse import quote, unquote, urlsplit
 import aiofiles
 
 from .._errors import FetchError
-from ._interface import Versioned
+from ._interface import Resumed, Versioned
 from ._version import Version
 
 if TYPE_CHECKING:
@@ -97,9 +97,9 @@ class LocalStore:
         except OSError as e:
             raise _error(path, e) from e
 
-    async def stream(
-        self, url: str, start: int, end: int | None, chunk_size: int
-    ) -> AsyncGenerator[bytes, None]:
+    async def stream(self, url: str, start: int, end: int | None, chunk_size: int,
+                     resumed: Resumed) -> AsyncGenerator[bytes, None]:
+        """No resume: a file's read fails for good (FetchError), never `Retryable`."""
         path = _path(url)
         try:
             async with aiofiles.open(path, "rb", executor=self._executor) as f:

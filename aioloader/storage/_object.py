@@ -6,22 +6,24 @@ az://container/key and abfs[s]://container@account.dfs.core.windows.net/key
 Credentials, region and endpoint come from each cloud's usual environment variables (AWS_*,
 GOOGLE_*, AZURE_*), so S3-compatible stores such as MinIO and the emulators work; an http://
 endpoint is allowed. obstore's own retries are turned off so that aioloader's budget, backoff
-and retry counts apply here as to HTTP; what retrying cannot mend (a missing key, refused
-access, a range past the end: the 4xx family) fails at once.
+and retry counts apply here as to HTTP (`Storage` retries what `_mapped` calls retryable);
+what retrying cannot mend (a missing key, refused access, a range past the end: the 4xx
+family) fails at once.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._errors import FetchError
-from ._interface import Versioned
+from ._interface import Resumed, Versioned
 from ._limits import check_range, too_large
-from ._retry import Attempts, is_retryable
+from ._retry import Retryable, is_retryable
 from ._version import Version, changed
 
 if TYPE_CHECKING:
@@ -143,32 +145,31 @@ class ObjectStore:
             self._stores[bucket] = self._store(bucket, self._policy.timeout)
         return self._stores[bucket], key
 
-    async def _attempt(self, url: str, attempts: Attempts, error: Exception) -> None:
-        """Give up at once on what retrying cannot mend (obstore 0.12 raises a plain
-        FileNotFoundError for a missing key, a GenericError for a 416); else wait and count a
-        retry."""
-        if isinstance(error, FetchError):
-            raise error
-        reason, status = _reason(error)
-        if isinstance(error, self._final) or (status is not None and not is_retryable(status)):
-            raise FetchError(url, reason, status) from error
-        await attempts.failed(f"{type(error).__name__}: {reason}", status)
+    @contextmanager
+    def _mapped(self, url: str) -> Iterator[None]:
+        """The one boundary where obstore's errors become final (a FetchError: a missing key,
+        refused access, a range past the end; obstore 0.12 raises a plain FileNotFoundError
+        for a missing key, a GenericError for a 416) or `Retryable`."""
+        try:
+            yield
+        except FetchError:
+            raise
+        except Exception as e:
+            reason, status = _reason(e)
+            if isinstance(e, self._final) or (status is not None and not is_retryable(status)):
+                raise FetchError(url, reason, status) from e
+            raise Retryable(f"{type(e).__name__}: {reason}", status) from e
 
     async def read(self, url: str, start: int | None = None, end: int | None = None) -> bytes:
         check_range(url, start, end, self._max_bytes)
         store, key = self._locate(url)
-        attempts = Attempts(url, self._policy, self._counters)
-        while True:
-            try:
-                self._counters.requests += 1
-                if start is None:
-                    result = await self._obstore.get_async(store, key)
-                    self._check_size(url, int(result.meta["size"]))
-                    return bytes(await result.bytes_async())
-                data = await self._obstore.get_range_async(store, key, start=start, end=end)
-                return bytes(data)
-            except Exception as e:
-                await self._attempt(url, attempts, e)
+        with self._mapped(url):
+            self._counters.requests += 1
+            if start is None:
+                result = await self._obstore.get_async(store, key)
+                self._check_size(url, int(result.meta["size"]))
+                return bytes(await result.bytes_async())
+            return bytes(await self._obstore.get_range_async(store, key, start=start, end=end))
 
     async def read_versioned(self, url: str, start: int | None = None, end: int | None = None,
                              unless: Version | None = None) -> Versioned | None:
@@ -181,66 +182,46 @@ class ObjectStore:
             options["range"] = {"offset": start} if end is None else (start, end)
         if unless is not None and unless.etag is not None:
             options["if_none_match"] = unless.etag
-        attempts = Attempts(url, self._policy, self._counters)
-        while True:
+        with self._mapped(url):
+            self._counters.requests += 1
             try:
-                self._counters.requests += 1
                 result = await self._obstore.get_async(store, key, options=options)
-                if start is None:
-                    self._check_size(url, int(result.meta["size"]))
-                data = bytes(await result.bytes_async())
-                if start is not None and end is not None and len(data) != end - start:
-                    raise FetchError(
-                        url, f"short read: wanted bytes {start}..{end}, got {len(data)}"
-                    )
-                return Versioned(data, _version(result.meta))
             except self._obstore.exceptions.NotModifiedError:
                 return None
-            except Exception as e:
-                await self._attempt(url, attempts, e)
+            if start is None:
+                self._check_size(url, int(result.meta["size"]))
+            data = bytes(await result.bytes_async())
+        if start is not None and end is not None and len(data) != end - start:
+            raise FetchError(url, f"short read: wanted bytes {start}..{end}, got {len(data)}")
+        return Versioned(data, _version(result.meta))
 
     async def size(self, url: str) -> int:
         store, key = self._locate(url)
-        attempts = Attempts(url, self._policy, self._counters)
-        while True:
-            try:
-                self._counters.requests += 1
-                return int((await self._obstore.head_async(store, key))["size"])
-            except Exception as e:
-                await self._attempt(url, attempts, e)
+        with self._mapped(url):
+            self._counters.requests += 1
+            return int((await self._obstore.head_async(store, key))["size"])
 
-    async def stream(
-        self, url: str, start: int, end: int | None, chunk_size: int
-    ) -> AsyncGenerator[bytes, None]:
-        """Chunks of bytes start..end; a broken stream resumes where it stopped, in the same
-        object (If-Match its ETag, and its size checked). Not bound by max_object_bytes: a
-        stream holds one chunk at a time."""
+    async def stream(self, url: str, start: int, end: int | None, chunk_size: int,
+                     resumed: Resumed) -> AsyncGenerator[bytes, None]:
+        """A resume asks If-Match the first answer's ETag, and checks the answer's size. Not
+        bound by max_object_bytes: a stream holds one chunk at a time."""
         store, key = self._locate(url)
-        attempts = Attempts(url, self._policy, self._counters)
-        position = start
-        began: Version | None = None
-        while end is None or position < end:
+        began = resumed.began
+        options: dict[str, Any] = {"range": {"offset": start} if end is None else (start, end)}
+        if began is not None and began.etag is not None:
+            options["if_match"] = began.etag
+        with self._mapped(url):
+            self._counters.requests += 1
             try:
-                self._counters.requests += 1
-                options: dict[str, Any] = {
-                    "range": {"offset": position} if end is None else (position, end)
-                }
-                if began is not None and began.etag is not None:
-                    options["if_match"] = began.etag
                 result = await self._obstore.get_async(store, key, options=options)
-                now = _version(result.meta)
-                if began is not None:
-                    began.check(url, now, position)
-                began = began or now
-                async for chunk in result.stream(min_chunk_size=chunk_size):
-                    position += len(chunk)
-                    attempts.reset()
-                    yield bytes(chunk)
-                return
             except self._obstore.exceptions.PreconditionError as e:  # If-Match refused
-                raise changed(url, position, f"it no longer matches {began}") from e
-            except Exception as e:
-                await self._attempt(url, attempts, e)
+                raise changed(url, start, f"it no longer matches {began}") from e
+            now = _version(result.meta)
+            if began is not None:
+                began.check(url, now, start)
+            resumed.began = began or now
+            async for chunk in result.stream(min_chunk_size=chunk_size):
+                yield bytes(chunk)
 
     def _check_size(self, url: str, size: int) -> None:
         """Refuse, before its body is read, an answer that would take a read (or a stream,

@@ -1,4 +1,6 @@
-"""How long to wait before trying a read again: capped exponential backoff with jitter."""
+"""When a read is tried again: what counts as a fault another try may mend (`Retryable`, which a
+store raises at its boundary), and how long to wait before the next try: capped exponential
+backoff with jitter. `Storage` holds the only retry loop."""
 
 from __future__ import annotations
 
@@ -57,6 +59,18 @@ def parse_retry_after(value: str | None) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER)
 
 
+class Retryable(Exception):
+    """A fault another try may mend, as a store reports it: what went wrong, the HTTP status,
+    and the seconds the server asked to wait. Anything else a store raises is final."""
+
+    def __init__(self, problem: str, status: int | None = None, delay: float | None = None
+                 ) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.status = status
+        self.delay = delay
+
+
 class Attempts:
     """The retry budget of one read: counts failures in a row, waits with backoff (or as long
     as the server asked), gives up with an error that names the URL and the last status."""
@@ -71,12 +85,13 @@ class Attempts:
         """Progress was made (a stream moved on): the budget starts again."""
         self._failures = 0
 
-    async def failed(
-        self, problem: str, status: int | None = None, delay: float | None = None
-    ) -> None:
+    async def failed(self, fault: Retryable) -> None:
+        """Wait before the next try; FetchError once the budget is spent."""
         if self._failures >= self._policy.retries:
             attempts = self._policy.retries + 1
-            raise FetchError(self._url, f"{problem}; gave up after {attempts} attempts", status)
+            raise FetchError(self._url, f"{fault.problem}; gave up after {attempts} attempts",
+                             fault.status) from fault
+        delay = fault.delay
         await asyncio.sleep(self._policy.backoff(self._failures) if delay is None else delay)
         self._failures += 1
         self._counters.retries += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 from .._closing import AsyncClosing
@@ -17,11 +17,11 @@ from ._coalesce import RangeCoalescer
 from ._counters import StorageCounters
 from ._diskcache import DiskCache
 from ._hedge import HEDGE_CONNECTIONS, HEDGE_MAX_BYTES, Hedger
-from ._interface import Store, StoreSettings
+from ._interface import Resumed, Store, StoreSettings
 from ._limits import DEFAULT_MAX_OBJECT_BYTES
 from ._local import LocalStore, local_path
 from ._registry import check_url, store_class
-from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy
+from ._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, Attempts, Retryable, RetryPolicy
 
 __all__ = ["Storage", "borrowed", "check_url", "list_prefix", "local_path", "read", "read_range"]
 
@@ -95,15 +95,44 @@ class Storage(AsyncClosing):
 
     async def size(self, url: str) -> int:
         """The object's size in bytes (a stat, or a HEAD)."""
-        return await self._store(url).size(url)
+        store = self._store(url)
+        return await self._retried(url, lambda: store.size(url))
 
     async def stream(
         self, url: str, start: int = 0, end: int | None = None, chunk_size: int = 1 << 20
     ) -> AsyncGenerator[bytes, None]:
-        """The bytes from `start` to `end` (or the end) in chunks, without holding them all."""
-        async for chunk in self._store(url).stream(url, start, end, chunk_size):
-            self.counters.bytes_read += len(chunk)
-            yield chunk
+        """The bytes from `start` to `end` (or the end) in chunks, without holding them all.
+        A break resumes where it stopped, in the same object; the retry budget counts failures
+        in a row, so a long stream survives many blips."""
+        store, attempts, resumed = self._store(url), self._attempts(url), Resumed()
+        position = start
+        while end is None or position < end:
+            try:
+                body = store.stream(url, position, end, chunk_size, resumed)
+                async with aclosing(body):
+                    async for chunk in body:
+                        position += len(chunk)
+                        attempts.reset()
+                        self.counters.bytes_read += len(chunk)
+                        yield chunk
+                if end is None or position >= end:
+                    return
+                raise Retryable(f"the body ended at byte {position} of {end}")
+            except Retryable as fault:
+                await attempts.failed(fault)
+
+    def _attempts(self, url: str) -> Attempts:
+        return Attempts(url, self._settings.policy, self.counters)
+
+    async def _retried(self, url: str, attempt: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """The only retry loop: tries `attempt` until it gives an answer, raises what is final,
+        or the budget is spent."""
+        attempts = self._attempts(url)
+        while True:
+            try:
+                return await attempt()
+            except Retryable as fault:
+                await attempts.failed(fault)
 
     async def _read(self, url: str, start: int | None, end: int | None) -> bytes:
         store = self._store(url)
@@ -131,8 +160,9 @@ class Storage(AsyncClosing):
         if entry is not None and entry.trusted:
             return entry.data
         unless = None if entry is None else entry.version
-        answer = await self._hedged(lambda: store.read_versioned(url, start, end, unless),
-                                    start, end)
+        answer = await self._hedged(
+            lambda: self._retried(url, lambda: store.read_versioned(url, start, end, unless)),
+            start, end)
         if answer is None:  # a 304, to a question only an entry's version asks
             assert entry is not None and unless is not None
             cache.checked_unchanged(url, unless)
@@ -143,7 +173,8 @@ class Storage(AsyncClosing):
 
     async def _read_remote(self, store: Store, url: str, start: int | None, end: int | None
                            ) -> bytes:
-        return await self._hedged(lambda: store.read(url, start, end), start, end)
+        return await self._hedged(
+            lambda: self._retried(url, lambda: store.read(url, start, end)), start, end)
 
     async def _hedged(self, read: Callable[[], Coroutine[Any, Any, T]], start: int | None,
                       end: int | None) -> T:
