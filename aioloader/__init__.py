@@ -67,15 +67,15 @@ _WHERE = {
     "StreamBatches": "_datasets",
     "TarShards": "_datasets",
     "WorkerDiedError": "_errors",
-    "WorkerInfo": "_runtime.decode",
+    "WorkerInfo": "_worker.decode",
     "default_collate": "_collate",
     "CorruptEntry": "_cache",
-    "NotOwned": "_runtime.shm",
+    "NotOwned": "_ipc.shm",
     "RecordIOError": "recordio",
     "TarFormatError": "_tar",
     "from_torch": "_datasets",
     "get_shard_info": "_sampling",
-    "get_worker_info": "_runtime.decode",
+    "get_worker_info": "_worker.decode",
 }
 _SUBMODULES = {"recordio", "storage", "testing", "torch", "vision"}
 
@@ -104,12 +104,12 @@ if _typing.TYPE_CHECKING:
         StallError,
         WorkerDiedError,
     )
+    from ._ipc.shm import NotOwned
     from ._loader import Loader
-    from ._runtime.decode import WorkerInfo, get_worker_info
-    from ._runtime.shm import NotOwned
     from ._sampling import ShardInfo, get_shard_info
     from ._stats import LoaderStats
     from ._tar import TarFormatError
+    from ._worker.decode import WorkerInfo, get_worker_info
     from .recordio import RecordIOError
 
 

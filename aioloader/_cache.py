@@ -31,8 +31,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ._closing import Closing
-from ._runtime import shm
-from ._runtime.zygote import Zygote
+from ._ipc import shm
+from ._processes.zygote import Zygote
 
 _HEADER = struct.Struct("<qqqq")
 """capacity, bytes used, entries, full (0/1)."""

@@ -18,7 +18,7 @@ import numpy as np
 from ._cache import SharedCache
 from ._collate import default_collate
 from ._datasets import Dataset, Stream
-from ._runtime.decode import takes_rng
+from ._worker.decode import takes_rng
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
 from .storage._retry import DEFAULT_RETRIES, DEFAULT_TIMEOUT, RetryPolicy

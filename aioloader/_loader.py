@@ -1,7 +1,7 @@
 """The Loader: a front over its configuration (`LoaderConfig`), the decode pool it keeps, and
 where it stands in the epochs.
 
-Each iteration is a pass (`_runtime.passes.Pass`) built from the configuration, in a loader
+Each iteration is a pass (`_pass.pipeline.Pass`) built from the configuration, in a loader
 service (`_service`: the default with decode processes; here only the client's side) or in the
 event loop that iterates: the caller's for `async for`, a loop in a background thread for a
 plain `for`. A Loader runs one pass at a time.
@@ -18,24 +18,19 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
+from . import _reaper as reaper
+from ._blocking import off_loop
 from ._cache import SharedCache
 from ._closing import AsyncClosing, Closing
 from ._collate import default_collate
-from ._config import (
-    DEFAULT_MEMORY_LIMIT,
-    LoaderConfig,
-    Service,
-    check_count,
-    default_service,
-)
+from ._config import DEFAULT_MEMORY_LIMIT, LoaderConfig, Service, check_count, default_service
 from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
-from ._runtime import autotune, reaper
-from ._runtime.blocking import off_loop
-from ._runtime.factory import PassFactory
-from ._runtime.handles import AsyncIteration, iterate
-from ._runtime.runner import Position, Runner
+from ._iteration.handles import AsyncIteration, iterate
+from ._iteration.runner import Position, Runner
+from ._pass import autotune
+from ._pass.factory import PassFactory
 from ._sampling import (
     ShardInfo,
     call_with_shard_info,

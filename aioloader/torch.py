@@ -20,8 +20,8 @@ except ImportError as e:
     ) from None
 
 from ._closing import Closing
+from ._ipc.transport import map_arrays
 from ._loader import Loader
-from ._runtime.transport import map_arrays
 
 __all__ = ["TorchLoader", "as_iterable_dataset", "to_tensors"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._runtime.decode import takes_rng
+from ._worker.decode import takes_rng
 
 __all__ = [
     "IMAGENET_MEAN",

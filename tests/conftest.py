@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from aioloader._runtime.zygote import Zygote
+from aioloader._processes.zygote import Zygote
 from aioloader.testing import Nginx, TestServer
 
 from decoders import SAMPLE_COUNT, write_samples
@@ -128,7 +128,7 @@ class Snapshot:
     unix_sockets: int
 
 
-HELPERS = ("forkserver", "resource_tracker", "aioloader._runtime.zygote_main")
+HELPERS = ("forkserver", "resource_tracker", "aioloader._processes.zygote_main")
 LASTING_THREADS = ("aioloader-reaper", "aioloader-zygote-reap")
 """Threads that live as long as the interpreter, as the zygote: the one finalizers hand their
 work to, and the one that reaps the zygote when it ends."""

@@ -36,7 +36,7 @@ SEED = 7
 BATCH_SIZE = 8
 EPOCHS = 3
 MARKER = "top level of the script ran"
-ZYGOTE_MODULE = "aioloader._runtime.zygote_main"
+ZYGOTE_MODULE = "aioloader._processes.zygote_main"
 PACKAGE_PARENT = str(Path(aioloader.__file__).resolve().parents[1])
 
 

@@ -133,7 +133,7 @@ def test_keys_cost_their_bytes_not_python_objects() -> None:
 
 
 def test_the_rng_goes_by_name_or_annotation_not_by_position() -> None:
-    from aioloader._runtime.decode import takes_rng
+    from aioloader._worker.decode import takes_rng
 
     def with_default(raw: bytes, rng: object = None) -> bytes:
         return raw

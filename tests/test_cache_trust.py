@@ -23,7 +23,7 @@ import pytest
 
 from aioloader import SharedCache
 from aioloader._cache import CorruptEntry
-from aioloader._runtime import shm
+from aioloader._ipc import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm (Linux)")
 as_root = pytest.mark.skipif(

@@ -7,8 +7,8 @@ from typing import Any
 
 import aioloader
 from aioloader._config import LoaderConfig
-from aioloader._runtime.factory import PassFactory
-from aioloader._runtime.passes import END
+from aioloader._pass.factory import PassFactory
+from aioloader._pass.pipeline import END
 
 
 class Numbers(aioloader.Dataset):

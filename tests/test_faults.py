@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 import aioloader
-from aioloader._runtime import shm
+from aioloader._ipc import shm
 from aioloader.testing import TestServer
 
 from decoders import SAMPLE_COUNT, index_of, jpeg_index, two_megabytes

@@ -16,9 +16,11 @@ import pytest
 from test_service import wait_until_gone
 
 import aioloader
-from aioloader._runtime import handles, reaper, shm
-from aioloader._runtime.channel import Channel
-from aioloader._runtime.zygote import Zygote
+from aioloader import _reaper as reaper
+from aioloader._ipc import shm
+from aioloader._ipc.channel import Channel
+from aioloader._iteration import handles
+from aioloader._processes.zygote import Zygote
 
 from conftest import ended, snapshot
 from decoders import index_and_pid, stuck_on_five

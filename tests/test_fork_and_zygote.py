@@ -21,12 +21,12 @@ import psutil
 import pytest
 
 import aioloader
-from aioloader._runtime import zygote
-from aioloader._runtime.channel import Channel
-from aioloader._runtime.decode import DecodeSpec
-from aioloader._runtime.decoders import PoolDecoder, Recovery
-from aioloader._runtime.messages import Chunk
-from aioloader._runtime.pool import DecodePool
+from aioloader._ipc.channel import Channel
+from aioloader._ipc.messages import Chunk
+from aioloader._processes import zygote
+from aioloader._processes.pool import DecodePool
+from aioloader._scheduling.decoders import PoolDecoder, Recovery
+from aioloader._worker.decode import DecodeSpec
 
 from conftest import snapshot
 from decoders import index_and_noise, sample_bytes, stuck_on_five
@@ -52,7 +52,7 @@ import json, os, sys, time
 sys.path.insert(0, {tests!r})
 import psutil
 import aioloader
-from aioloader._runtime import shm
+from aioloader._ipc import shm
 from decoders import big_image, index_and_noise
 
 def decode(raw, rng):  # index_and_noise, with an image big enough for shared memory
@@ -231,7 +231,7 @@ def test_a_late_zygote_reply_is_not_taken_for_the_answer_to_the_next_request(
 
 ZYGOTE_DEV_SCRIPT = """
 import os, signal, time
-from aioloader._runtime.zygote import Zygote
+from aioloader._processes.zygote import Zygote
 
 first = Zygote.get()
 first.preload([])
@@ -375,10 +375,10 @@ def test_private_modules_decode_processes_import_are_not_preloaded_on_their_own(
     would) leaves `asyncio.current_task()` None in every process forked after: aiohttp then
     fails every read of a loader service with "Timeout context manager should be used inside a
     task"."""
-    from aioloader._runtime.preload import installed_packages
+    from aioloader._worker.preload import installed_packages
 
     assert installed_packages({"_asyncio", "asyncio", "_socket"}) == ["asyncio"]
-    script = ("from aioloader._runtime.preload import preload\n"
+    script = ("from aioloader._worker.preload import preload\n"
               "preload(['_asyncio', 'asyncio'])\n"
               "import asyncio\n"
               "async def current():\n"

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import aioloader
-from aioloader._runtime.messages import Chunk
-from aioloader._runtime.transport import map_arrays
+from aioloader._ipc.messages import Chunk
+from aioloader._ipc.transport import map_arrays
 
 PACKAGE = Path(aioloader.__file__).resolve().parent
 
@@ -65,7 +65,7 @@ def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_module_of_the_package_imports_itself_back_even_inside_a_function() -> None:
     graph = _imports()
-    assert "aioloader._cache" in graph and "aioloader._runtime.zygote" in graph
+    assert "aioloader._cache" in graph and "aioloader._processes.zygote" in graph
     cycles = [cycle for module in sorted(graph) if (cycle := _cycle_from(module, graph))]
     assert not cycles, "\n".join(" -> ".join(cycle) for cycle in cycles)
 
@@ -122,7 +122,7 @@ def test_the_services_build_passes_with_the_factory_and_never_import_the_loader(
     graph = _imports()
     for service in ("aioloader._service.server", "aioloader._service.node_server"):
         assert "aioloader._loader" not in graph[service], service
-        assert "aioloader._runtime.factory" in graph[service], service
+        assert "aioloader._pass.factory" in graph[service], service
 
 
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
@@ -164,3 +164,20 @@ def test_no_module_reaches_into_the_private_members_of_another_modules_classes()
             if owners and module not in owners:
                 reached.append(f"{module}:{node.lineno} .{name} of {sorted(owners)}")
     assert not reached, "\n".join(reached)
+
+
+ROOMS = ["_ipc", "_worker", "_processes", "_scheduling", "_pass", "_service", "_iteration"]
+"""The runtime's rooms, lowest first: a module imports only from its own room or a lower one
+(inside functions too). `_processes` starts `_service.server` by its module name."""
+
+
+def test_the_runtime_rooms_import_downward_only() -> None:
+    def room(module: str) -> int | None:
+        part = module.split(".")[1] if module.count(".") else ""
+        return ROOMS.index(part) if part in ROOMS else None
+
+    upward = [f"{module} -> {imported}" for module, imports in _imports().items()
+              for imported in imports
+              if (here := room(module)) is not None and (there := room(imported)) is not None
+              and there > here]
+    assert not upward, "\n".join(upward)

@@ -29,14 +29,14 @@ import pytest
 from test_service import _epochs, _plain, wait_until_gone
 
 import aioloader
-from aioloader._runtime import shm
-from aioloader._runtime.channel import Channel
-from aioloader._runtime.decode import DecodeSpec
-from aioloader._runtime.decoders import PoolDecoder, Recovery
-from aioloader._runtime.messages import Chunk, Environment
-from aioloader._runtime.pool import DecodePool
+from aioloader._ipc import shm
+from aioloader._ipc.channel import Channel
+from aioloader._ipc.messages import Chunk, Environment
+from aioloader._processes.pool import DecodePool
+from aioloader._scheduling.decoders import PoolDecoder, Recovery
 from aioloader._service import rendezvous as node
 from aioloader._service.messages import Failed, ServiceInit
+from aioloader._worker.decode import DecodeSpec
 
 from decoders import big_image, fail_on_seven, index_and_noise, stuck_on_five
 
@@ -412,7 +412,7 @@ FINGERPRINT = """
 import sys
 sys.path.insert(0, {tests!r})
 import aioloader
-from aioloader._runtime.fingerprint import fingerprint
+from aioloader._service.fingerprint import fingerprint
 
 
 class Squares(aioloader.Dataset):
@@ -493,7 +493,7 @@ def test_the_job_includes_the_working_directory_and_a_missing_runtime_dir_is_pas
 
 
 def test_fingerprints_tell_apart_repeats_and_bound_builtins() -> None:
-    from aioloader._runtime.fingerprint import fingerprint
+    from aioloader._service.fingerprint import fingerprint
 
     a, b = [1], [2]
     assert fingerprint([a, b, a]) != fingerprint([a, b, b])
@@ -502,7 +502,7 @@ def test_fingerprints_tell_apart_repeats_and_bound_builtins() -> None:
 
 
 async def _granted_in_order(orders: list[int]) -> list[int]:
-    from aioloader._runtime.autotune import ReadLimit
+    from aioloader._pass.autotune import ReadLimit
 
     reads = ReadLimit(1)
     reads.try_acquire()

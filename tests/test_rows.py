@@ -18,10 +18,10 @@ import pytest
 import aioloader
 from aioloader import default_collate
 from aioloader._datasets.streaming import ordered_ahead
-from aioloader._runtime import shm, transport
-from aioloader._runtime.budget import MemoryBudget, ReadAhead
-from aioloader._runtime.decode import DecodeSpec, join_rows, respond
-from aioloader._runtime.messages import Chunk, ChunkResult
+from aioloader._ipc import shm, transport
+from aioloader._ipc.messages import Chunk, ChunkResult
+from aioloader._pass.budget import MemoryBudget, ReadAhead
+from aioloader._worker.decode import DecodeSpec, join_rows, respond
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm (Linux)")
 

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 import aioloader
-from aioloader._runtime import shm
+from aioloader._ipc import shm
 from aioloader.testing import TestServer
 
 from conftest import ended
@@ -46,7 +46,7 @@ def decode_processes() -> list[psutil.Process]:
     """This interpreter's decode processes: the children of its zygote named so (its other
     children are loader services)."""
     zygotes = [p for p in psutil.Process().children()
-               if "aioloader._runtime.zygote_main" in " ".join(p.cmdline())]
+               if "aioloader._processes.zygote_main" in " ".join(p.cmdline())]
     return [p for zygote in zygotes for p in zygote.children() if p.name() == "aioloader-dec"]
 
 
@@ -415,8 +415,8 @@ def test_the_packages_behind_a_decode_function_are_found_for_the_zygote(
 ) -> None:
     """A decode function of the user's own module brings the installed packages that module
     (and the user's modules it uses) import: the zygote imports them before forking."""
-    from aioloader._runtime.channel import dumps
-    from aioloader._runtime.preload import packages_behind
+    from aioloader._ipc.channel import dumps
+    from aioloader._worker.preload import packages_behind
 
     (tmp_path / "user_helpers.py").write_text("import json\n\ndef describe(x):\n    return x\n")
     (tmp_path / "user_decoders.py").write_text(
@@ -453,7 +453,7 @@ class _Scaler:
 def test_chunk_messages_send_a_renamed_bound_method_by_value_not_by_its_name() -> None:
     """The standard pickler saves a bound method as its object's attribute of the function's
     name, which a decorator may have changed; such a method goes by cloudpickle."""
-    from aioloader._runtime.channel import dumps_data
+    from aioloader._ipc.channel import dumps_data
 
     sent = pickle.loads(dumps_data({"decode": _Scaler(3).scale}))
     assert sent["decode"](7) == 21

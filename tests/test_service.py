@@ -24,8 +24,8 @@ import pytest
 from test_tarshards import write_shards
 
 import aioloader
-from aioloader._runtime import shm
-from aioloader._runtime.handles import ServiceHandle
+from aioloader._ipc import shm
+from aioloader._iteration.handles import ServiceHandle
 
 from conftest import ended
 from decoders import (

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader._runtime import shm
+from aioloader._ipc import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm (Linux)")
 

@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 
 from aioloader._errors import LoaderError, SampleError, StallError, WorkerDiedError
-from aioloader._runtime.budget import MemoryBudget
-from aioloader._runtime.decode import join_results
-from aioloader._runtime.decoders import PER_PROCESS, PoolDecoder, Recovery
-from aioloader._runtime.handover import Handover
-from aioloader._runtime.messages import Chunk, ChunkResult, Done, Task
-from aioloader._runtime.passes import END, Pass, PassConfig
-from aioloader._runtime.pool import LOST
-from aioloader._runtime.sources import Pending, Work
+from aioloader._ipc.messages import Chunk, ChunkResult, Done, Task
+from aioloader._pass.budget import MemoryBudget
+from aioloader._pass.feeds import Pending, Work
+from aioloader._pass.handover import Handover
+from aioloader._pass.pipeline import END, Pass, PassConfig
+from aioloader._processes.pool import LOST
+from aioloader._scheduling.decoders import PER_PROCESS, PoolDecoder, Recovery
 from aioloader._stats import LoaderStats, now
+from aioloader._worker.decode import join_results
 
 BATCH = 2
 """Samples per batch; one batch per chunk."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import aioloader
-from aioloader._runtime import shm
+from aioloader._ipc import shm
 
 from decoders import SAMPLE_COUNT, big_image, die_on_five, slow_big_image
 

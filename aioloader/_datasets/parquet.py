@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._blocking import off_loop
 from .._errors import LoaderError
 from .._loopthread import run_sync
-from .._runtime.blocking import off_loop
 from ..storage import _storage as storage
 from .indexed import IndexedStream
 from .streaming import expand_braces

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from .._blocking import off_loop
 from .._errors import FetchError
 from .._loopthread import run_sync
-from .._runtime.blocking import off_loop
 from .._tar import (
     BLOCK,
     MAX_MEMBER_BYTES,

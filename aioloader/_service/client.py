@@ -27,11 +27,11 @@ from typing import Any
 
 from .._closing import ProcessBound
 from .._errors import LoaderError, RemoteTraceback
-from .._runtime import shm
-from .._runtime.channel import Channel, dumps_data
-from .._runtime.messages import Environment
-from .._runtime.transport import Exported, views
-from .._runtime.zygote import START_TIMEOUT, Zygote
+from .._ipc import shm
+from .._ipc.channel import Channel, dumps_data
+from .._ipc.messages import Environment
+from .._ipc.transport import Exported, views
+from .._processes.zygote import START_TIMEOUT, Zygote
 from .._stats import LoaderStats
 from .messages import (
     Alive,

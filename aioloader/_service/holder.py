@@ -12,15 +12,15 @@ from collections import deque
 from .._closing import ProcessBound
 from .._config import LoaderConfig
 from .._errors import LoaderError
-from .._runtime import shm
-from .._runtime.channel import dumps
-from .._runtime.decode import DecodeSpec
-from .._runtime.fingerprint import fingerprint
-from .._runtime.preload import packages_behind
-from .._runtime.zygote import Zygote
+from .._ipc import shm
+from .._ipc.channel import dumps
+from .._processes.zygote import Zygote
 from .._stats import LoaderStats
+from .._worker.decode import DecodeSpec
+from .._worker.preload import packages_behind
 from . import rendezvous
 from .client import ServiceClient, load_stats
+from .fingerprint import fingerprint
 
 
 class ServiceHolder(ProcessBound):

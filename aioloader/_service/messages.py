@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._runtime.messages import Environment
+from .._ipc.messages import Environment
 from .._sampling import Intervals
 
 

@@ -30,19 +30,20 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
+from .._blocking import off_loop
 from .._config import LoaderConfig
 from .._errors import LoaderError
+from .._ipc import shm
+from .._ipc.channel import dumps, frame, read_message
+from .._ipc.messages import Chunk
+from .._ipc.transport import BlockPool
 from .._loopthread import new_event_loop
-from .._runtime import autotune, shm
-from .._runtime.blocking import off_loop
-from .._runtime.budget import MemoryBudget
-from .._runtime.channel import dumps, frame, read_message
-from .._runtime.decode import one_line
-from .._runtime.decoders import Decoder, PoolDecoder, SharedDecoder
-from .._runtime.factory import PassFactory
-from .._runtime.messages import Chunk
-from .._runtime.transport import BlockPool
-from .._runtime.zygote import START_TIMEOUT, Zygote
+from .._pass import autotune
+from .._pass.budget import MemoryBudget
+from .._pass.factory import PassFactory
+from .._processes.zygote import START_TIMEOUT, Zygote
+from .._scheduling.decoders import Decoder, PoolDecoder, SharedDecoder
+from .._worker.decode import one_line
 from . import rendezvous
 from .messages import Failed, Ready, ServiceInit
 from .server import Service

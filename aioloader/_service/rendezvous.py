@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._errors import LoaderError
-from .._runtime.messages import Environment
-from .._runtime.zygote import START_TIMEOUT
+from .._ipc.messages import Environment
+from .._processes.zygote import START_TIMEOUT
 from .client import ServiceClient
 from .messages import ServiceInit
 

@@ -31,14 +31,14 @@ from typing import Any, TextIO
 
 from .._config import LoaderConfig
 from .._errors import LoaderError, RemoteTraceback
+from .._ipc.channel import Channel, dumps, dumps_data, frame, read_message
+from .._ipc.transport import Exported
 from .._loopthread import new_event_loop
-from .._runtime.channel import Channel, dumps, dumps_data, frame, read_message
-from .._runtime.decode import one_line
-from .._runtime.factory import PassFactory
-from .._runtime.passes import END, Pass
-from .._runtime.transport import Exported
-from .._runtime.zygote import Zygote
+from .._pass.factory import PassFactory
+from .._pass.pipeline import END, Pass
+from .._processes.zygote import Zygote
 from .._stats import snapshot
+from .._worker.decode import one_line
 from .client import HEARTBEAT_SECONDS
 from .messages import (
     Alive,

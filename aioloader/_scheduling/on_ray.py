@@ -25,10 +25,10 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
+from .._blocking import off_loop
 from .._errors import LoaderError
-from .blocking import off_loop
-from .decode import DecodeSpec, run_chunk
-from .messages import Chunk, ChunkResult
+from .._ipc.messages import Chunk, ChunkResult
+from .._worker.decode import DecodeSpec, run_chunk
 from .remote import RemoteTask, pack_spec, unpack_spec
 
 START_SECONDS = 120.0

@@ -23,8 +23,9 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
+from .. import _reaper as reaper
 from .._closing import ProcessBound
-from . import reaper, shm
+from . import shm
 from .shm import NoSpace
 
 __all__ = ["NoSpace"]

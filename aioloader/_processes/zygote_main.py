@@ -1,4 +1,4 @@
-"""`python -m aioloader._runtime.zygote_main`: the zygote, a small process per interpreter that
+"""`python -m aioloader._processes.zygote_main`: the zygote, a small process per interpreter that
 forks decode processes and cleans up after its parent (`zygote.Zygote` starts it and talks to
 it).
 
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._cache import remove_if_unused
-from .channel import Channel
-from .preload import preload
-from .serve import serve
-from .shm import remove_leftovers
+from .._ipc.channel import Channel
+from .._ipc.shm import remove_leftovers
+from .._worker.preload import preload
+from .._worker.serve import serve
 
 POLL_SECONDS = 0.25
 """How often the zygote checks that its parent is alive and reaps its children."""

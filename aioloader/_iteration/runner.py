@@ -12,9 +12,9 @@ import threading
 from dataclasses import dataclass
 
 from .._errors import LoaderError
+from .._pass.factory import PassFactory
 from .._sampling import Intervals
 from .._service.holder import ServiceHolder
-from .factory import PassFactory
 from .handles import CLOSE_WAIT_SECONDS, Handle, LocalHandle, Opening, ServiceHandle
 
 

@@ -14,9 +14,9 @@ import traceback
 
 import numpy as np
 
-from .channel import Channel, dumps_data
+from .._ipc.channel import Channel, dumps_data
+from .._ipc.messages import STOP, Done, Imported, Init, InitFailed, Ready
 from .decode import DecodeSpec, WorkerInfo, one_line, respond, set_worker_info
-from .messages import STOP, Done, Imported, Init, InitFailed, Ready
 from .preload import installed_packages
 
 MMAP_THRESHOLD = 32 << 20

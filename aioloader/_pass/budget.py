@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from .transport import BlockPool
+from .._ipc.transport import BlockPool
 
 
 class Holder(Protocol):

@@ -24,10 +24,10 @@ from .._collate import (
     default_collate,
     scalar_dtype,
 )
+from .._ipc import transport
+from .._ipc.messages import Chunk, ChunkResult, Layout
 from .._sampling import sample_rng
 from .._stats import now
-from . import transport
-from .messages import Chunk, ChunkResult, Layout
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from .._datasets import Dataset, Stream
 from .._errors import FetchError, SampleError, SampleFetchError
 from .._sampling import EpochPlan
 from .._stats import LoaderStats, now
+from .._tasks import TaskSet
+from .._worker.decode import one_line
 from .autotune import ReadLimit
-from .decode import one_line
-from .tasks import TaskSet
 
 SKIPPED = object()
 """The raw item of a sample whose fetch failed with on_error="skip"."""

@@ -26,17 +26,17 @@ from typing import Any, Protocol, TypeVar, cast
 import numpy as np
 
 from .._errors import LoaderError, RemoteTraceback, SampleError, StallError
+from .._ipc import shm, transport
+from .._ipc.messages import Chunk, ChunkResult, Layout
+from .._ipc.transport import BlockPool, Slot
+from .._scheduling.decoders import Decoder
 from .._stats import LoaderStats, now
+from .._tasks import TaskSet
+from .._worker.decode import join_results, join_rows
 from ..storage._storage import Storage
-from . import shm, transport
 from .budget import MemoryBudget
-from .decode import join_results, join_rows
-from .decoders import Decoder
+from .feeds import SKIPPED, Pending, estimate_bytes
 from .handover import EMPTY, Failed, Finished, Handover
-from .messages import Chunk, ChunkResult, Layout
-from .sources import SKIPPED, Pending, estimate_bytes
-from .tasks import TaskSet
-from .transport import BlockPool, Slot
 
 T = TypeVar("T")
 

@@ -22,14 +22,14 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .._blocking import off_loop
+from .._ipc import transport
+from .._ipc.channel import dumps
+from .._ipc.messages import Chunk, ChunkResult
 from .._stats import now
-from . import transport
-from .blocking import off_loop
-from .channel import dumps
-from .decode import DecodeSpec, run_chunk
+from .._tasks import TaskSet
+from .._worker.decode import DecodeSpec, run_chunk
 from .decoders import Recovery, short_list
-from .messages import Chunk, ChunkResult
-from .tasks import TaskSet
 
 
 def pack_spec(spec: DecodeSpec) -> bytes:

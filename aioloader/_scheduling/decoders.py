@@ -14,13 +14,13 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .._blocking import off_loop
 from .._errors import DecodeTimeoutError, LoaderError, RemoteTraceback, WorkerDiedError
+from .._ipc.messages import Chunk, ChunkResult, Done, InitFailed, Ready, Task
+from .._processes.pool import LOST, DecodePool, DecodeProcess
 from .._stats import now
-from .blocking import off_loop
-from .decode import DecodeSpec, respond, run_chunk
-from .messages import Chunk, ChunkResult, Done, InitFailed, Ready, Task
-from .pool import LOST, DecodePool, DecodeProcess
-from .tasks import TaskSet
+from .._tasks import TaskSet
+from .._worker.decode import DecodeSpec, respond, run_chunk
 
 PER_PROCESS = 2
 """Chunks queued at a decode process: one running, one waiting, so it never idles between."""

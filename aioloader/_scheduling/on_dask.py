@@ -14,10 +14,10 @@ from typing import Any
 
 from distributed import KilledWorker, WorkerPlugin, get_worker
 
+from .._blocking import off_loop
 from .._errors import LoaderError
-from .blocking import off_loop
-from .decode import DecodeSpec, run_chunk
-from .messages import Chunk, ChunkResult
+from .._ipc.messages import Chunk, ChunkResult
+from .._worker.decode import DecodeSpec, run_chunk
 from .remote import RemoteTask, pack_spec, unpack_spec
 
 RESTART_SECONDS = 60

@@ -1,7 +1,7 @@
 """The client of the zygote: one small process per interpreter that forks decode processes and
 cleans up after its parent (the process itself is `zygote_main`).
 
-The zygote is started on first use, as `python -m aioloader._runtime.zygote_main`, so it has
+The zygote is started on first use, as `python -m aioloader._processes.zygote_main`, so it has
 imported aioloader and numpy but never the user's main module. This module imports neither the
 decode code nor the cache: the cache uses it to have its segments removed should this process
 die.
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from .._closing import ProcessBound
 from .._errors import LoaderError
-from .channel import Channel
+from .._ipc.channel import Channel
 
 START_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
@@ -83,7 +83,7 @@ class Zygote(ProcessBound):
         )
         with theirs, _starting:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "aioloader._runtime.zygote_main",
+                [sys.executable, "-m", "aioloader._processes.zygote_main",
                  str(theirs.fileno()), str(os.getpid())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=environment,
             )

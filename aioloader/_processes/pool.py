@@ -20,9 +20,9 @@ from typing import Any
 
 from .._closing import ProcessBound
 from .._errors import LoaderError
-from .channel import Channel, dumps, dumps_data
-from .decode import DecodeSpec
-from .messages import STOP, Environment, Imported, Init, Ready
+from .._ipc.channel import Channel, dumps, dumps_data
+from .._ipc.messages import STOP, Environment, Imported, Init, Ready
+from .._worker.decode import DecodeSpec
 from .zygote import Zygote
 
 STOP_GRACE_SECONDS = 2.0

@@ -17,15 +17,15 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _reaper as reaper
+from .._blocking import off_loop
 from .._errors import LoaderError
 from .._loopthread import LoopThread
+from .._pass.factory import PassFactory
+from .._pass.pipeline import END, Pass
 from .._sampling import Intervals
 from .._service.client import EXTRA_SECONDS, ServiceClient
 from .._stats import LoaderStats, now
-from . import reaper
-from .blocking import off_loop
-from .factory import PassFactory
-from .passes import END, Pass
 
 CLOSE_WAIT_SECONDS = 5.0
 """How long closing a Loader from another thread waits for its running pass to close."""

@@ -23,21 +23,22 @@ from .._collate import default_collate
 from .._config import LoaderConfig
 from .._datasets import Dataset, Stream
 from .._errors import LoaderError
+from .._ipc import shm
+from .._ipc.transport import BlockPool
+from .._processes.pool import DecodePool
 from .._sampling import EpochPlan, Intervals, ShardInfo, Spawn, call_with_shard_info
+from .._scheduling.decoders import Decoder, InlineDecoder, PoolDecoder, Recovery
+from .._scheduling.remote import BackendHolder, RemoteDecoder
 from .._stats import LoaderStats
+from .._worker.decode import DecodeSpec
 from ..storage._counters import StorageCounters
 from ..storage._diskcache import DiskCache
 from ..storage._hedge import Hedger
 from ..storage._storage import Storage
-from . import autotune, shm
+from . import autotune
 from .budget import MemoryBudget, ReadAhead
-from .decode import DecodeSpec
-from .decoders import Decoder, InlineDecoder, PoolDecoder, Recovery
-from .passes import Pass, PassConfig
-from .pool import DecodePool
-from .remote import BackendHolder, RemoteDecoder
-from .sources import PlannedSource, StreamSource
-from .transport import BlockPool
+from .feeds import PlannedSource, StreamSource
+from .pipeline import Pass, PassConfig
 
 UNBATCHED_CHUNK = 16
 """Samples per decode task when batch_size is None: amortises the pipe without hurting latency."""

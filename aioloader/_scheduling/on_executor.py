@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 from concurrent.futures import Executor
 
-from .decode import DecodeSpec
-from .messages import ChunkResult
+from .._ipc.messages import ChunkResult
+from .._worker.decode import DecodeSpec
 from .remote import RemoteTask, pack_spec, run_pickled_chunk
 
 

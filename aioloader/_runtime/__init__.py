@@ -1,1 +1,0 @@
-"""The runtime: passes, the decode pool, shared memory; private."""
