@@ -11,7 +11,8 @@ resume from it and finish. Every rank takes the same number of steps in every ep
 divides by samples, not shards), and the resumed epoch skips nothing. Mid-epoch, rank 0 forks a
 child that exits at once (as a checkpoint writer or a logging helper would): training goes on.
 Each rank writes the samples it saw per epoch. With `--service node`, one loader service
-serves every rank (else each rank has its own).
+serves every rank; with `--service none`, each rank runs its passes in its own process (else
+each rank has a loader service of its own).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def write_shards(folder: Path, format: str) -> list[str]:
     return names
 
 
-def train(urls: list[str], service: Literal["process", "node"], epochs: int, out: Path,
+def train(urls: list[str], service: Literal["process", "node", "none"], epochs: int, out: Path,
           stop_after: int | None, resume: Path | None) -> None:
     import torch
     import torch.distributed as dist
@@ -84,7 +85,7 @@ def train(urls: list[str], service: Literal["process", "node"], epochs: int, out
     data = (aioloader.Parquet(urls, shuffle_window=2) if urls[0].endswith(".parquet")
             else aioloader.TarShards(urls, shuffle_buffer=100))
     loader = aioloader.Loader(data, decode=decode_digit, batch_size=16, shuffle=True, seed=1,
-                              num_workers=1, service=service)
+                              num_workers=1, service=None if service == "none" else service)
     first_epoch = 0
     if resume is not None:
         checkpoint = torch.load(resume)
@@ -158,8 +159,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("distributed-tar-shards"))
     parser.add_argument("--format", choices=["tar", "parquet"], default="tar")
-    parser.add_argument("--service", choices=["process", "node"], default="process",
-                        help="a loader service per rank, or one for the node's ranks")
+    parser.add_argument("--service", choices=["process", "node", "none"], default="process",
+                        help="a loader service per rank, one for the node's ranks, or none")
     parser.add_argument("--urls", help="set by the launcher: the shards, comma-separated")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--stop-after", type=int, default=None)

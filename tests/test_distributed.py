@@ -61,7 +61,8 @@ def test_executor_and_worker_init_do_not_mix(urls: list[str]) -> None:
         aioloader.Loader(aioloader.Files(urls), executor=executor, worker_init=print)
 
 
-@pytest.mark.parametrize(("format", "service"), [("tar", "process"), ("parquet", "node")])
+@pytest.mark.parametrize(("format", "service"),
+                         [("tar", "process"), ("parquet", "node"), ("tar", "none")])
 def test_torchrun_on_uneven_shards_steps_together_resumes_on_three_ranks_and_survives_a_fork(
     tmp_path: Path, format: str, service: str
 ) -> None:
