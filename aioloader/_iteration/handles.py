@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,7 +293,7 @@ class ServiceHandle(Handle):
         raises at the next batch."""
 
 
-def iterate(owner: object, open_handle: Callable[[], Handle]) -> Iterator[Any]:
+def iterate(owner: object, open_handle: Callable[[], Handle]) -> Generator[Any, None, None]:
     """`for` over `owner` (kept alive while it runs): the pass opens at the first `next()`."""
     handle = open_handle()
     try:
