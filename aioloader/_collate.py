@@ -27,17 +27,23 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
     numpy arrays (and array-likes such as torch tensors) -> np.stack; bool, int, float (Python
     or numpy scalars) -> a 1-d array (int64 and float64 for Python numbers, as torch does;
     mixed dtypes are promoted, never cast to the first sample's); str and bytes -> a list, as
-    torch does;
+    torch does; torch tensors -> arrays (detached; bfloat16, which numpy lacks, stacked by
+    torch); arrays of text or objects -> TypeError, as torch's;
     dicts -> a dict of collated values; tuples, namedtuples and lists -> the same type of
     collated fields. Samples must share one structure. `allocate(shape, dtype)`, when given,
     provides the memory of each stacked array (the loader passes shared memory: one copy less).
     """
-    if not samples:
+    if len(samples) == 0:
         raise ValueError("cannot collate an empty list of samples")
     first = samples[0]
     if isinstance(first, Stacked):
         return first.batch
+    if isinstance(first, (str, bytes)):  # numpy's str_ and bytes_ too: text, not numbers
+        return samples if isinstance(samples, np.ndarray) else list(samples)
     if isinstance(first, np.ndarray):
+        if first.dtype.kind in "SaUO":
+            raise TypeError(f"default_collate: batch must contain arrays of numbers, numbers, "
+                            f"dicts or sequences; found an array of {first.dtype}")
         check_same_shapes(samples)
         if allocate is None:
             return np.stack(samples)
@@ -54,13 +60,13 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
         out = allocate(array.shape, array.dtype)
         out[...] = array
         return out
-    if isinstance(first, (str, bytes)):
-        return list(samples)
+    if _is_tensor(first):
+        return _tensors(samples, allocate)
     if hasattr(first, "__array__") and not isinstance(first, (Mapping, tuple, list)):
         # torch tensors and other array-likes: as arrays (CPU tensors without a copy)
         return default_collate([np.asarray(s) for s in samples], allocate)
 
-    if (isinstance(first, (tuple, list)) and not hasattr(first, "_fields")
+    if (isinstance(first, Sequence) and not hasattr(first, "_fields")
             and any(len(s) != len(first) for s in samples)):
         raise ValueError("each sample in a batch must have the same number of fields")
     collated = by_field(samples, lambda part: default_collate(part, allocate))
@@ -102,7 +108,30 @@ def by_field(values: Sequence[Any], combine: Callable[[Sequence[Any]], Any]) -> 
         return type(first)(*(combine(field) for field in zip(*values, strict=True)))
     if isinstance(first, (tuple, list)):
         return type(first)(combine(field) for field in zip(*values, strict=True))
+    if isinstance(first, Sequence):  # any other (a range): its type if it takes a list
+        fields = [combine(field) for field in zip(*values, strict=True)]
+        try:
+            return type(first)(fields)  # type: ignore[call-arg]
+        except TypeError:
+            return fields
     return NotImplemented
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__module__.partition(".")[0] == "torch" and hasattr(value, "detach")
+
+
+def _tensors(samples: Sequence[Any], allocate: Allocate | None) -> Any:
+    """torch tensors, detached (one that requires grad is data here), as arrays without a
+    copy; a dtype numpy has not (bfloat16) stays a tensor, stacked by torch."""
+    detached = [sample.detach() for sample in samples]
+    try:
+        arrays = [np.asarray(tensor) for tensor in detached]
+    except TypeError:  # no numpy dtype for it
+        import torch
+
+        return torch.stack(detached)
+    return default_collate(arrays, allocate)
 
 
 def scalar_dtype(value: Any) -> np.dtype[Any] | None:

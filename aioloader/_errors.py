@@ -1,12 +1,16 @@
 """The errors a loader raises, under one base class: `except aioloader.LoaderError`.
 
+An error of the user's code (a fetch, a decode, worker_init) is also an instance of its own
+type (`typed`), and timeouts and dead workers are RuntimeErrors, as DataLoader raises them.
+
 Messages are one or two lines; a traceback from a decode process is kept as the error's cause
 (`RemoteTraceback`), as `concurrent.futures` does, so it prints below the error.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, TypeVar, cast
 
 
 class LoaderError(Exception):
@@ -24,6 +28,64 @@ def _rebuilt(kind: type[LoaderError], args: tuple[Any, ...], attributes: dict[st
     error.args = args
     vars(error).update(attributes)
     return error
+
+
+E = TypeVar("E", bound=LoaderError)
+
+
+def type_name(error: BaseException) -> str:
+    """`module:qualname` of an error's type: how it travels from a decode process."""
+    return f"{type(error).__module__}:{type(error).__qualname__}"
+
+
+def named_type(name: str) -> type[Exception] | None:
+    """The exception type `type_name` named, if its module is loaded here; never imports."""
+    module, _, qualname = name.partition(":")
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) and issubclass(found, Exception) else None
+
+
+def typed(base: type[E], original: type[BaseException] | None) -> type[E]:
+    """`base` that is also an `original`, the type the user's code raised, as DataLoader
+    re-raises a worker's exception with its own type: `except KeyError` catches a KeyError
+    raised in decode, and `except aioloader.SampleError` still does too."""
+    if (original is None or not issubclass(original, Exception)
+            or issubclass(original, LoaderError) or original is Exception):
+        return base
+    made = _TYPED.get((base, original))
+    if made is None:
+        try:
+            made = _TYPED[base, original] = _typed(base, original)
+        except TypeError:  # a type that cannot be a second base
+            return base
+    return cast(type[E], made)
+
+
+_TYPED: dict[tuple[type[LoaderError], type[Exception]], type[LoaderError]] = {}
+
+
+def _typed(base: type[E], original: type[Exception]) -> type[E]:
+    def __new__(cls: type[E], *args: Any, **kwargs: Any) -> E:
+        error: E = original.__new__(cls)  # not original's arguments: ours
+        return error
+
+    def __init__(self: E, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)  # never original's (OSError's reads errno)
+
+    def __reduce__(self: E) -> tuple[Any, ...]:
+        return (_rebuilt_typed, (base, original, self.args, dict(vars(self))))
+
+    namespace = {"__new__": __new__, "__init__": __init__, "__str__": BaseException.__str__,
+                 "__reduce__": __reduce__, "__module__": base.__module__,
+                 "__qualname__": f"{base.__qualname__}[{original.__qualname__}]"}
+    return type(f"{base.__name__}[{original.__name__}]", (base, original), namespace)
+
+
+def _rebuilt_typed(base: type[E], original: type[Exception], args: tuple[Any, ...],
+                   attributes: dict[str, Any]) -> LoaderError:
+    return _rebuilt(typed(base, original), args, attributes)
 
 
 class RemoteTraceback(Exception):
@@ -69,15 +131,15 @@ class SampleFetchError(SampleError, FetchError):
         SampleError.__init__(self, index, key, "fetch", str(error))
 
 
-class WorkerDiedError(LoaderError):
+class WorkerDiedError(LoaderError, RuntimeError):
     """A decode process ended abruptly (a signal, the OOM killer, os._exit) more often than
     `max_worker_restarts` allows, or twice on the same samples."""
 
 
-class DecodeTimeoutError(LoaderError):
+class DecodeTimeoutError(LoaderError, RuntimeError):
     """A decode task ran longer than `decode_timeout`; names the samples and the process."""
 
 
-class StallError(LoaderError):
+class StallError(LoaderError, RuntimeError):
     """Nothing was read, decoded or handed over for `stall_timeout` seconds while the loader
     waited; names the stage that holds it."""

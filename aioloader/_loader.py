@@ -27,7 +27,7 @@ from ._config import DEFAULT_MEMORY_LIMIT, LoaderConfig, Service, check_count, d
 from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
 from ._errors import LoaderError
-from ._iteration.handles import AsyncIteration, iterate
+from ._iteration.handles import AsyncIteration, Iteration
 from ._iteration.runner import Position, Runner
 from ._pass import autotune
 from ._pass.factory import PassFactory
@@ -312,7 +312,7 @@ class Loader(Closing, AsyncClosing):
         return items // step if self.config.drop_last else -(-items // step)
 
     def __iter__(self) -> Iterator[Any]:
-        return iterate(self, self._runner.open)
+        return Iteration(self, self._runner.open)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return AsyncIteration(self, self._runner.open_async)

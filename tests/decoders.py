@@ -46,6 +46,10 @@ def whoami(raw: bytes) -> tuple[int, int, int, int, float, int]:
     return index_of(raw), info.id, info.num_workers, info.seed, random.random(), legacy
 
 
+def refuse_to_start(worker_id: int) -> None:
+    raise PermissionError(f"worker {worker_id} may not start")
+
+
 def fail_on_seven(raw: bytes) -> int:
     index = index_of(raw)
     if index == 7:

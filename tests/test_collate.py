@@ -95,3 +95,18 @@ def test_batches_of_consecutive_parts_join_into_the_batch_of_the_whole(cuts: lis
 def test_joined_parts_of_different_shapes_fail_as_one_collate_would() -> None:
     with pytest.raises(ValueError, match="different shapes"):
         concatenate([default_collate([np.zeros(2)]), default_collate([np.zeros(3)])])
+
+
+def test_any_sequence_collates_by_position_as_in_torch() -> None:
+    assert [field.tolist() for field in default_collate([range(3), range(3)])] == [
+        [0, 0], [1, 1], [2, 2]]
+
+
+def test_numpy_text_is_text_and_arrays_of_text_or_objects_are_refused_as_in_torch() -> None:
+    assert default_collate([np.str_("a"), np.str_("b")]) == ["a", "b"]
+    texts = np.array(["a", "b", "c"])
+    assert default_collate(texts) is texts  # a batch that is an array of text: as it is
+    assert default_collate(np.array([1, 2, 3])).tolist() == [1, 2, 3]
+    for refused in (np.array([[["a", "b"]]]), np.array([[[object(), object()]]])):
+        with pytest.raises(TypeError, match="found an array of"):
+            default_collate(refused)

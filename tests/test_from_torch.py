@@ -87,10 +87,14 @@ def test_cheap_getitems_run_in_line_and_still_give_every_sample(server: TestServ
         assert [int(i) for batch in loader for i in batch] == list(range(SAMPLE_COUNT))
 
 
-def test_a_failing_getitem_names_the_sample() -> None:
-    loader = aioloader.Loader(aioloader.from_torch(Broken()), batch_size=4)
-    with pytest.raises(aioloader.SampleError, match=r"sample 6 \(key 'Broken\[6\]'\).*six"):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_failing_getitem_names_the_sample_and_keeps_its_type(num_workers: int) -> None:
+    loader = aioloader.Loader(aioloader.from_torch(Broken()), batch_size=4,
+                              num_workers=num_workers)
+    with pytest.raises(aioloader.SampleError, match=r"sample 6 \(key 'Broken\[6\]'\).*six") as e:
         list(loader)
+    assert isinstance(e.value, KeyError)  # as DataLoader re-raises it: `except KeyError` works
+    loader.close()
 
 
 def test_from_torch_refuses_what_is_not_map_style() -> None:
@@ -114,3 +118,40 @@ def test_local_files_are_read_a_chunk_per_call(local_paths: list[str]) -> None:
     assert [index_of(r) for r in raws] == list(range(SAMPLE_COUNT)) == [int(x) for x in labels]
     assert not aioloader.Files(["http://127.0.0.1:1/x.bin"]).batched_fetch
     assert np.asarray(labels).dtype.kind == "i"
+
+
+class Tagged(TorchDataset):  # type: ignore[misc]
+    """Tags each item with what both worker-info calls say, and whose copy of it answered."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict[str, object]:
+        ours, theirs = aioloader.get_worker_info(), torch.utils.data.get_worker_info()
+        assert ours is not None and theirs is not None
+        return {"index": index, "ours": ours.id, "theirs": theirs.id,
+                "workers": theirs.num_workers, "mine": ours.dataset is self is theirs.dataset}
+
+
+def test_both_worker_infos_answer_in_the_decode_processes_with_the_dataset_copy() -> None:
+    with aioloader.Loader(aioloader.from_torch(Tagged()), batch_size=4, num_workers=2) as loader:
+        batches = list(loader)
+    ours = np.concatenate([b["ours"] for b in batches])
+    assert (ours == np.concatenate([b["theirs"] for b in batches])).all()
+    assert set(ours) <= {0, 1} and all((b["workers"] == 2).all() for b in batches)
+    assert all(b["mine"].all() for b in batches)
+
+
+def test_worker_info_is_read_only_as_dataloaders_is() -> None:
+    info = aioloader.WorkerInfo(0, 2, 7, dataset=None)
+    with pytest.raises(RuntimeError, match="cannot assign"):
+        info.id = 1  # type: ignore[misc]
+
+
+def test_tensors_that_numpy_cannot_hold_or_that_require_grad_collate() -> None:
+    halves = [torch.full((2,), float(i), dtype=torch.bfloat16) for i in range(3)]
+    stacked = aioloader.default_collate(halves)
+    assert isinstance(stacked, torch.Tensor) and stacked.dtype == torch.bfloat16
+    assert stacked.float().tolist() == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+    grads = [torch.ones(2, requires_grad=True), torch.zeros(2, requires_grad=True)]
+    assert aioloader.default_collate(grads).tolist() == [[1.0, 1.0], [0.0, 0.0]]

@@ -16,10 +16,10 @@ from aioloader._config import LoaderConfig
 from aioloader._iteration.handles import (
     AsyncIteration,
     Handle,
+    Iteration,
     LocalHandle,
     Opening,
     ServiceHandle,
-    iterate,
 )
 from aioloader._iteration.runner import Position, Runner
 from aioloader._pass.factory import PassFactory
@@ -57,14 +57,14 @@ def _numbers(batch: Any) -> list[int]:
 def test_a_local_pass_runs_one_at_a_time_and_books_where_it_left_the_loader() -> None:
     runner = _runner()
     owner = object()
-    batches = iterate(owner, runner.open)
+    batches = Iteration(owner, runner.open)
     assert _numbers(next(batches)) == [0, 1, 2, 3]
     assert runner.position == 4
     with pytest.raises(aioloader.LoaderError, match="already running"):
         runner.open()
     batches.close()  # a `break`
     assert runner.at == Position(0, 4)  # broken off: same epoch, where it stood
-    assert [_numbers(b) for b in iterate(owner, runner.open)] == [[0, 1, 2, 3], [4, 5, 6, 7],
+    assert [_numbers(b) for b in Iteration(owner, runner.open)] == [[0, 1, 2, 3], [4, 5, 6, 7],
                                                                   [8, 9]]
     assert runner.at == Position(1)
 
@@ -84,7 +84,7 @@ def test_an_async_pass_dropped_mid_pass_is_released_before_the_next_opens() -> N
 
 def test_closing_the_runner_makes_a_running_pass_raise_and_refuses_new_ones() -> None:
     runner = _runner(batch_size=2)
-    batches = iterate(object(), runner.open)
+    batches = Iteration(object(), runner.open)
     next(batches)
     threading.Thread(target=runner.close).start()  # Loader.close, from another thread
     with pytest.raises(aioloader.LoaderError, match="closed"):

@@ -24,6 +24,7 @@ from decoders import (
     index_and_noise,
     index_of,
     mark_worker,
+    refuse_to_start,
     slow_worker_id,
     start_late,
     whoami,
@@ -203,6 +204,76 @@ def test_decode_error_names_the_sample_and_keeps_the_traceback(
     assert isinstance(caught.value.__cause__, RemoteTraceback)
     assert "fail_on_seven" in str(caught.value.__cause__)  # the decode process's traceback
     del loader
+
+
+@pytest.mark.parametrize("service", [None, "process"])
+def test_an_error_in_decode_is_also_its_own_type_as_dataloader_reraises_it(
+    urls: list[str], service: str | None
+) -> None:
+    with aioloader.Loader(aioloader.Files(urls), decode=fail_on_seven, batch_size=4,
+                          service=service) as loader, pytest.raises(ZeroDivisionError) as caught:
+        list(loader)
+    assert isinstance(caught.value, aioloader.SampleError) and caught.value.index == 7
+    assert "sample seven is cursed" in str(caught.value)
+
+
+@pytest.mark.parametrize(("service", "workers"), [(None, 0), (None, 2), ("process", 2)])
+def test_a_caught_error_of_one_batch_lets_the_pass_go_on_as_dataloader_does(
+    urls: list[str], service: str | None, workers: int
+) -> None:
+    with aioloader.Loader(aioloader.Files(urls[:40]), decode=fail_on_seven, batch_size=4,
+                          num_workers=workers, service=service) as loader:
+        batches, errors = iter(loader), 0
+        got = []
+        while True:
+            try:
+                got.append(next(batches).tolist())
+            except StopIteration:
+                break
+            except ZeroDivisionError:
+                errors += 1
+        assert errors == 1 and flat(got) == [i for i in range(40) if i // 4 != 1]
+        assert loader.epoch == 1  # the pass ran to its end
+        assert next(iter(loader)).tolist() == [0, 1, 2, 3]  # and the next one starts
+
+
+def test_a_caught_error_of_one_sample_unbatched_goes_on_to_the_end(urls: list[str]) -> None:
+    """Unbatched, samples are decoded 16 to a task: the failing sample's task (0-15) is lost
+    with it, and the pass goes on after it (it used to wait for the task's other steps)."""
+    with aioloader.Loader(aioloader.Files(urls[:40]), decode=fail_on_seven, batch_size=None,
+                          num_workers=2) as loader:
+        samples, got = iter(loader), []
+        with pytest.raises(ZeroDivisionError):
+            while True:
+                got.append(int(next(samples)))
+        got.extend(int(sample) for sample in samples)
+    assert got == list(range(16, 40))
+
+
+async def test_a_caught_error_lets_an_async_pass_go_on(urls: list[str]) -> None:
+    async with aioloader.Loader(aioloader.Files(urls[:24]), decode=fail_on_seven,
+                                batch_size=4) as loader:
+        batches, got = aiter(loader), []
+        for _ in range(6):
+            try:
+                got.append((await anext(batches)).tolist())
+            except ZeroDivisionError:
+                got.append("error")
+        assert got[1] == "error" and flat([b for b in got if b != "error"]) == [
+            i for i in range(24) if i // 4 != 1]
+
+
+def test_an_error_in_worker_init_is_its_own_type(urls: list[str]) -> None:
+    with aioloader.Loader(aioloader.Files(urls), decode=index_of, batch_size=4,
+                          worker_init=refuse_to_start) as loader, pytest.raises(
+            PermissionError, match="worker_init failed") as caught:
+        list(loader)
+    assert isinstance(caught.value, aioloader.LoaderError)
+
+
+def test_timeouts_and_dead_workers_are_runtime_errors_as_in_dataloader() -> None:
+    for kind in (aioloader.WorkerDiedError, aioloader.DecodeTimeoutError, aioloader.StallError):
+        assert issubclass(kind, RuntimeError) and issubclass(kind, aioloader.LoaderError)
 
 
 def test_missing_file_names_the_url_and_status(server: TestServer, urls: list[str]) -> None:

@@ -73,9 +73,9 @@ class ChunkResult:
     """One collated batch, nothing if every sample was skipped, or the samples when unbatched."""
     skipped: list[tuple[int, str]]
     """(position in the chunk, one-line reason) of samples whose decode raised (skip mode)."""
-    failure: tuple[int | None, str, str] | None = None
-    """(index, one-line reason, traceback) of the first failure in raise mode; index None:
-    collate failed."""
+    failure: tuple[int | None, str, str, str] | None = None
+    """(index, one-line reason, traceback, the error's type name) of the first failure in
+    raise mode; index None: collate failed."""
     durations: list[float] = field(default_factory=list)
     """Seconds each decoded sample took."""
     span: tuple[float, float] | None = None
@@ -191,6 +191,8 @@ class Ready:
 class InitFailed:
     reason: str
     traceback: str
+    kind: str = ""
+    """The error's type (`_errors.type_name`)."""
 
 
 @dataclass(frozen=True)

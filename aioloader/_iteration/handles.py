@@ -3,7 +3,7 @@
 (`LocalHandle`) and a pass run in a loader service (`ServiceHandle`).
 
 The kind is chosen once per iteration (`Runner`), as PyTorch's `_get_iterator` chooses its
-iterator class; `iterate` (`for`) and `AsyncIteration` (`async for`) drive either one. A handle
+iterator class; `Iteration` (`for`) and `AsyncIteration` (`async for`) drive either one. A handle
 tells its `ended` callback once, however the pass ends: finished, closed, failed or dropped.
 """
 
@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +71,12 @@ class Handle(ABC):
     @abstractmethod
     def finished(self) -> bool:
         """The pass handed its last batch over."""
+
+    @property
+    @abstractmethod
+    def goes_on(self) -> bool:
+        """After `next` raised: the pass goes on with the next batch (one batch failed, as a
+        DataLoader goes on after an error a worker re-raised); else it is over."""
 
     @abstractmethod
     def next(self) -> Any:
@@ -136,6 +142,10 @@ class LocalHandle(Handle):
     @property
     def finished(self) -> bool:
         return self._pass.finished
+
+    @property
+    def goes_on(self) -> bool:
+        return not self._over and self._pass.goes_on
 
     def next(self) -> Any:
         assert self._thread is not None, "opened for async for"
@@ -241,6 +251,11 @@ class ServiceHandle(Handle):
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def goes_on(self) -> bool:
+        client = self._client
+        return not self._over and client.pass_open and client.broken is None
+
     def next(self) -> Any:
         asked = now()
         return self._delivered(self._client.next(), asked)
@@ -293,21 +308,64 @@ class ServiceHandle(Handle):
         raises at the next batch."""
 
 
-def iterate(owner: object, open_handle: Callable[[], Handle]) -> Generator[Any, None, None]:
-    """`for` over `owner` (kept alive while it runs): the pass opens at the first `next()`."""
-    handle = open_handle()
-    try:
-        while (item := handle.next()) is not END:
-            box, item = [item], None
-            yield box.pop()  # held by the trainer alone: `del batch` frees its block
-    except BaseException:  # a failure, a `break`: that is what the caller sees
-        with contextlib.suppress(LoaderError):
+class Iteration:
+    """`for` over `owner` (kept alive while it runs): the pass opens at the first `next()`.
+    After an error of one batch, the next `next()` goes on with the following batch, as with
+    DataLoader; any other error, a `break` (the iterator dropped) or Ctrl-C closes the pass."""
+
+    def __init__(self, owner: object, open_handle: Callable[[], Handle]) -> None:
+        self._owner: object = owner
+        self._open = open_handle
+        self._handle: Handle | None = None
+        self._done = False
+
+    def __iter__(self) -> Iteration:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._handle is None:
+            self._done = True  # unless it opens
+            self._handle = self._open()
+            self._done = False
+        handle = self._handle
+        try:
+            item = handle.next()
+        except Exception:
+            if not handle.goes_on:
+                self._end()
+            del self, handle  # a notebook keeps the exception, and with it this frame
+            raise
+        except BaseException:  # Ctrl-C, an exit: the pass ends with it
+            self._end()
+            del self, handle
+            raise
+        if item is END:
+            self._end(quietly=False)
+            raise StopIteration
+        return item  # held by the trainer alone: `del batch` frees its block
+
+    def _end(self, quietly: bool = True) -> None:
+        """Close the pass (`quietly`: what the caller sees is an error already) and let go of
+        the owner."""
+        handle, self._handle, self._owner, self._done = self._handle, None, None, True
+        if handle is None:
+            return
+        if quietly:
+            with contextlib.suppress(LoaderError):
+                handle.close()
+        else:
             handle.close()
-        raise
-    else:
-        handle.close()
-    finally:
-        del owner, handle  # a notebook keeps an interrupted pass's exception, and this frame
+
+    def close(self) -> None:
+        """End the pass before its end, as a `break` does."""
+        self._end()
+
+    def __del__(self) -> None:
+        """A `break`: the pass closes here, bounded (docs/design.md, finalizers)."""
+        if self._handle is not None:
+            self._end()
 
 
 class AsyncIteration:
@@ -335,9 +393,14 @@ class AsyncIteration:
         handle = self._opened[0]
         try:
             item = await handle.next_async()
-        except BaseException:
-            await self.aclose()
+        except Exception:
+            if not handle.goes_on:  # else one batch failed: the next __anext__ goes on
+                await self.aclose()
             del self, handle  # a notebook keeps an interrupted cell's exception, and this frame
+            raise
+        except BaseException:  # cancelled, Ctrl-C: the pass ends with it
+            await self.aclose()
+            del self, handle
             raise
         if item is END:
             self._done = True

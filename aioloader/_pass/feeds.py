@@ -18,7 +18,7 @@ import numpy as np
 
 from .._cache import CACHED, SharedCache
 from .._datasets import Dataset, Stream
-from .._errors import FetchError, SampleError, SampleFetchError
+from .._errors import FetchError, SampleError, SampleFetchError, typed
 from .._sampling import EpochPlan
 from .._stats import LoaderStats, now
 from .._tasks import TaskSet
@@ -226,7 +226,7 @@ def fetch_failure(index: int, key: str, error: Exception) -> SampleError:
     if isinstance(error, FetchError):
         failure: SampleError = SampleFetchError(index, key, error)
     else:
-        failure = SampleError(index, key, "fetch", one_line(error))
+        failure = typed(SampleError, type(error))(index, key, "fetch", one_line(error))
     failure.__cause__ = error
     return failure
 

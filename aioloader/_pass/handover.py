@@ -43,6 +43,11 @@ class Handover:
         self._done[finished.step] = finished
         self._changed.set()
 
+    @property
+    def failed(self) -> bool:
+        """`fail` was called: no step comes any more."""
+        return self._failure is not None
+
     def fail(self, error: BaseException) -> None:
         """Stop at once: the next take raises `error` (a stall, a closed loader, a dead pool)."""
         if self._failure is None:

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
-from .._errors import LoaderError, RemoteTraceback, SampleError, StallError
+from .._errors import LoaderError, RemoteTraceback, SampleError, StallError, named_type, typed
 from .._ipc import shm, transport
 from .._ipc.messages import Chunk, ChunkResult, Layout
 from .._ipc.transport import BlockPool, Slot
@@ -211,6 +211,12 @@ class Pass:
     @property
     def position(self) -> int:
         return self._source.position(self.steps_done)
+
+    @property
+    def goes_on(self) -> bool:
+        """After the error `next` raised: the next `next` gives the following batch (the error
+        was one step's), rather than the pass having ended or failed as a whole."""
+        return not (self.closed or self.finished or self._handover.failed)
 
     # -- the consumer's side ----------------------------------------------------------------------
 
@@ -437,8 +443,10 @@ class Pass:
         if pending.indices:
             per_sample = held / len(pending.indices)
             self._budget.sample_bytes = _averaged(self._budget.sample_bytes or 0.0, per_sample, 8)
-        if isinstance(outcome, Failed):
+        if isinstance(outcome, Failed):  # its other steps are lost with it, and counted done
             self._handover.put(Finished(pending.first_step, outcome, in_heap, moment))
+            for step in range(pending.first_step + 1, pending.first_step + pending.steps):
+                self._handover.put(Finished(step, EMPTY, 0, moment))
             return
         share = in_heap // max(len(outcome), 1)
         for n, item in enumerate(outcome):
@@ -639,13 +647,15 @@ class Pass:
         if result.failure is None:
             stats.samples += len(kept) - len(result.skipped)
             return None
-        index, reason, text = result.failure
+        index, reason, text, kind = result.failure
+        original = named_type(kind)
         if index is None:
-            error: LoaderError = LoaderError(
+            error: LoaderError = typed(LoaderError, original)(
                 f"collate failed for samples {pending.indices[:8]}: {reason}")
         else:
             position = pending.indices.index(index)
-            error = SampleError(index, self._source.key(pending, position), "decode", reason)
+            error = typed(SampleError, original)(
+                index, self._source.key(pending, position), "decode", reason)
         error.__cause__ = RemoteTraceback(text)
         return error
 

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .._blocking import off_loop
-from .._errors import DecodeTimeoutError, LoaderError, RemoteTraceback, WorkerDiedError
+from .._errors import (
+    DecodeTimeoutError,
+    LoaderError,
+    RemoteTraceback,
+    WorkerDiedError,
+    named_type,
+    typed,
+)
 from .._ipc.messages import Chunk, ChunkResult, Done, InitFailed, Ready, Task
 from .._processes.pool import LOST, DecodePool, DecodeProcess
 from .._stats import now
@@ -286,7 +293,8 @@ class PoolDecoder:
         elif isinstance(message, Ready):
             self._dispatch()
         elif isinstance(message, InitFailed):
-            error = LoaderError(f"worker_init failed in {process}: {message.reason}")
+            error = typed(LoaderError, named_type(message.kind))(
+                f"worker_init failed in {process}: {message.reason}")
             error.__cause__ = RemoteTraceback(message.traceback)
             self._fail(error)
         elif message == LOST:

@@ -242,8 +242,11 @@ class ServiceClient(ProcessBound):
                 item = views(block, item.value, lambda: self._released.append(name))
             self._send(Take(self._take_released()))
             return item, message.position
-        self.pass_open = False
         self.last_stats = message.stats
+        if isinstance(message, Error) and not message.final:  # one batch's: the pass goes on
+            self._send(Take(self._take_released()))
+        else:
+            self.pass_open = False
         if isinstance(message, End):
             return None
         assert isinstance(message, Error), message

@@ -109,11 +109,13 @@ class End:
 
 @dataclass(frozen=True)
 class Error:
-    """The pass failed: the error as it can travel, and the text of its cause."""
+    """A batch or the pass failed: the error as it can travel, and the text of its cause.
+    Not `final`: one batch failed, and the pass goes on (the client sends a `Take` for it)."""
 
     error: BaseException
     cause: str
     stats: bytes
+    final: bool = True
 
 
 @dataclass(frozen=True)

@@ -190,8 +190,10 @@ class Service:
                     handed, item = self._hand_over(item, running), None  # the block is the
                     if not handed:  # client's alone now: released when the client says so
                         return
-                except Exception as e:  # the pass's failure, or a batch that cannot travel
-                    self._send(Error(*_portable(e), self._stats()))
+                except Exception as e:  # a batch's or the pass's failure, or one that cannot travel
+                    self._send(Error(*_portable(e), self._stats(), final=not running.goes_on))
+                    if running.goes_on:
+                        continue
                     return
                 assert self._writer is not None
                 await self._writer.drain()

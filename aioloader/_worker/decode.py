@@ -24,19 +24,43 @@ from .._collate import (
     default_collate,
     scalar_dtype,
 )
+from .._errors import type_name
 from .._ipc import transport
 from .._ipc.messages import Chunk, ChunkResult, Layout
 from .._sampling import sample_rng
 from .._stats import now
 
 
-@dataclass(frozen=True)
 class WorkerInfo:
-    """What `get_worker_info()` tells code running in a decode process."""
+    """What `get_worker_info()` tells code running in a decode process: its id, the number of
+    decode processes, its seed, and its copy of the dataset (`from_torch`'s; None for a
+    dataset read in the event loop). Read-only, as DataLoader's: assigning raises
+    RuntimeError."""
 
+    __slots__ = ("dataset", "id", "num_workers", "seed")
     id: int
     num_workers: int
     seed: int
+    dataset: Any
+
+    def __init__(self, id: int, num_workers: int, seed: int, dataset: Any = None) -> None:
+        for name, value in (("id", id), ("num_workers", num_workers), ("seed", seed),
+                            ("dataset", dataset)):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise RuntimeError(f"cannot assign attributes to {type(self).__name__} objects")
+
+    def __repr__(self) -> str:
+        return (f"WorkerInfo(id={self.id}, num_workers={self.num_workers}, seed={self.seed}, "
+                f"dataset={type(self.dataset).__name__})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkerInfo) and all(
+            getattr(self, name) == getattr(other, name) for name in self.__slots__)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.num_workers, self.seed))
 
 
 _worker_info: WorkerInfo | None = None
@@ -153,7 +177,8 @@ def run_chunk(
         position += 1
         if isinstance(outcome, _Failure):
             if not spec.skip_errors:
-                result.failure = (chunk.indices[position], outcome.reason, outcome.traceback)
+                result.failure = (chunk.indices[position], outcome.reason, outcome.traceback,
+                                  outcome.kind)
                 return result
             result.skipped.append((position, outcome.reason))
             continue
@@ -176,7 +201,7 @@ def run_chunk(
             assert allocate is not None
             allocate.discard()
         except Exception as e:
-            result.failure = (None, one_line(e), traceback.format_exc())
+            result.failure = failure(None, e)
             return result
         del sample, outcome  # in its row now: not held while the next one is decoded
     try:
@@ -196,7 +221,7 @@ def run_chunk(
                 allocate.discard()  # too big for this block: collate as usual, say so
         result.items = [spec.collate(samples)]
     except Exception as e:
-        result.failure = (None, one_line(e), traceback.format_exc())
+        result.failure = failure(None, e)
     return result
 
 
@@ -364,7 +389,7 @@ def _joined_by(results: list[ChunkResult], sizes: list[int],
         try:
             joined.items = [join(batches)]
         except Exception as e:
-            joined.failure = (None, one_line(e), traceback.format_exc())
+            joined.failure = failure(None, e)
     return joined
 
 
@@ -408,6 +433,14 @@ def _joined(batches: list[Any], allocate: transport.BlockAllocator | None) -> An
 class _Failure:
     reason: str
     traceback: str
+    kind: str
+    """The error's type (`type_name`): raised with it in the consumer's process."""
+
+
+def failure(index: int | None, error: Exception) -> tuple[int | None, str, str, str]:
+    """A chunk's failure as it travels: the sample's index (None: collate), the reason, the
+    traceback, the error's type."""
+    return index, one_line(error), traceback.format_exc(), type_name(error)
 
 
 def _one(spec: DecodeSpec, epoch: int, index: int, raw: Any) -> tuple[Any, float, float] | _Failure:
@@ -415,7 +448,7 @@ def _one(spec: DecodeSpec, epoch: int, index: int, raw: Any) -> tuple[Any, float
     try:
         sample = spec.sample(epoch, index, raw)
     except Exception as e:
-        return _Failure(one_line(e), traceback.format_exc())
+        return _Failure(one_line(e), traceback.format_exc(), type_name(e))
     return sample, started, now()
 
 

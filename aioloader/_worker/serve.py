@@ -3,7 +3,9 @@ settings, then decode chunks until told to stop or until the main process is gon
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import os
 import pickle
 import random
@@ -14,6 +16,7 @@ import traceback
 
 import numpy as np
 
+from .._errors import type_name
 from .._ipc.channel import Channel, dumps_data
 from .._ipc.messages import STOP, Done, Imported, Init, InitFailed, Ready
 from .decode import DecodeSpec, WorkerInfo, one_line, respond, set_worker_info
@@ -52,13 +55,25 @@ def _start(init: Init) -> DecodeSpec:
     set_worker_info(WorkerInfo(init.worker_id, init.num_workers, seed))
     spec: DecodeSpec
     spec, worker_init = pickle.loads(init.code)
+    info = WorkerInfo(init.worker_id, init.num_workers, seed, getattr(spec.load, "__self__", None))
+    set_worker_info(info)
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(seed)
+        _tell_torch(info)
     init.environment.filter_warnings()  # the categories of the modules decode imported too
     if worker_init is not None:
         worker_init(init.worker_id)
     return spec
+
+
+def _tell_torch(info: WorkerInfo) -> None:
+    """`torch.utils.data.get_worker_info()` answers in a decode process as in a DataLoader
+    worker (a dataset written for DataLoader shards by it)."""
+    with contextlib.suppress(ImportError, AttributeError, TypeError):
+        worker = importlib.import_module("torch.utils.data._utils.worker")
+        worker.__dict__["_worker_info"] = worker.WorkerInfo(  # where DataLoader's worker sets it
+            id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=info.dataset)
 
 
 def serve(descriptor: int) -> int:
@@ -74,7 +89,7 @@ def serve(descriptor: int) -> int:
         try:
             spec = _start(init)
         except BaseException as e:
-            channel.send(InitFailed(one_line(e), traceback.format_exc()))
+            channel.send(InitFailed(one_line(e), traceback.format_exc(), type_name(e)))
             return 1
         channel.send(Ready(os.getpid()))
         while (message := channel.receive()) != STOP:
