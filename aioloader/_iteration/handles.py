@@ -326,9 +326,11 @@ class Iteration:
         if self._done:
             raise StopIteration
         if self._handle is None:
-            self._done = True  # unless it opens
-            self._handle = self._open()
-            self._done = False
+            try:
+                self._handle = self._open()
+            except BaseException:
+                self._done = True
+                raise
         handle = self._handle
         try:
             item = handle.next()

@@ -161,8 +161,7 @@ class Storage(AsyncClosing):
             return entry.data
         unless = None if entry is None else entry.version
         answer = await self._hedged(
-            lambda: self._retried(url, lambda: store.read_versioned(url, start, end, unless)),
-            start, end)
+            url, lambda: store.read_versioned(url, start, end, unless), start, end)
         if answer is None:  # a 304, to a question only an entry's version asks
             assert entry is not None and unless is not None
             cache.checked_unchanged(url, unless)
@@ -173,11 +172,14 @@ class Storage(AsyncClosing):
 
     async def _read_remote(self, store: Store, url: str, start: int | None, end: int | None
                            ) -> bytes:
-        return await self._hedged(
-            lambda: self._retried(url, lambda: store.read(url, start, end)), start, end)
+        return await self._hedged(url, lambda: store.read(url, start, end), start, end)
 
-    async def _hedged(self, read: Callable[[], Coroutine[Any, Any, T]], start: int | None,
-                      end: int | None) -> T:
+    async def _hedged(self, url: str, attempt: Callable[[], Coroutine[Any, Any, T]],
+                      start: int | None, end: int | None) -> T:
+        """A remote read, retried; a second, retried as well, if the first is slow."""
+        def read() -> Coroutine[Any, Any, T]:
+            return self._retried(url, attempt)
+
         large = start is not None and end is not None and end - start > HEDGE_MAX_BYTES
         if self._hedger is None or large:  # a large read is bound by bandwidth, not latency
             return await read()
