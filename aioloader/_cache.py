@@ -10,9 +10,9 @@ segments can share them.
 The cache holds data, never code: an entry is a JSON description of the value (arrays, numpy
 scalars, bytes, str, numbers, None, and lists, tuples and dicts of these) plus raw buffers, so
 reading a cache cannot run anything; an entry that points outside its segment is a miss, one
-that does not parse a CorruptEntry error. Segments are used only after checking that they are
-this user's, with mode 0600; pages are reserved before they are written, so a full /dev/shm
-stops the caching instead of killing a process with SIGBUS.
+that does not parse a CorruptEntry error. A named cache's segments in /dev/shm are used only
+after checking that they are this user's, with mode 0600; pages are reserved before they are
+written, so memory that runs out stops the caching instead of killing a process with SIGBUS.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ class SharedCache(Closing):
     Pass it as `Loader(..., decode=..., augment=..., cache=SharedCache(8))`: `decode` (raw bytes
     to, say, a uint8 image; no rng) runs once per sample and its output is cached; `augment`
     (the random part) runs every time on the cached value, which is read-only. Cached samples
-    are not fetched again either. An unnamed cache belongs to its creator: close it (or use
-    `with`) to remove its segments; they are removed too if the process dies.
+    are not fetched again either. An unnamed cache belongs to its creator: its memory is held
+    by the creator's descriptors (no name in /dev/shm), and goes with `close()` (or `with`), or
+    with the creator's end, once no process maps it.
 
     With a `name`, the training processes of one machine (one per GPU under torchrun) share
     one cache: the first to attach makes it, the others join it by name, and the last to
@@ -144,19 +145,22 @@ class SharedCache(Closing):
             raise ValueError(f"a cache name takes letters, digits, - and _; got {name!r}")
         self.size_limit = int(size_limit_gib * (1 << 30))
         free = shm.free_bytes()
-        if self.size_limit > free:
+        if name is not None and self.size_limit > free:
             raise ValueError(
                 f"a SharedCache of {self.size_limit / 2**30:.2f} GiB does not fit in /dev/shm, "
                 f"which has {free / 2**30:.2f} GiB free; ask for less, or grow /dev/shm "
                 "(docker run --shm-size=...)"
             )
         self.name = name
-        stem = f"aioloader-u{os.geteuid()}-cache-{name}" if name else shm.new_name("cache")
-        self.names = (stem + "-index", stem + "-data")
+        stem = f"aioloader-u{os.geteuid()}-cache-{name}"
+        self.names = (stem + "-index", stem + "-data") if name else ("", "")
+        """Named: the segments' names in /dev/shm. Unnamed: the blocks' tokens, once made."""
+        self._by_name = name is not None
         self._members_fd = -1
         """Named caches: a shared flock on this file marks this process as attached."""
-        self._remover: weakref.finalize[[tuple[str, str]], SharedCache] | None = None
-        """Set in the process that made an unnamed cache: removes it on close or collection."""
+        self._remover: weakref.finalize[[tuple[int, ...]], SharedCache] | None = None
+        """Set in the process that made an unnamed cache: lets go of its blocks on close or
+        collection."""
         self._index: mmap.mmap | None = None
         self._data: mmap.mmap | None = None
         self._index_fd = -1
@@ -178,9 +182,8 @@ class SharedCache(Closing):
         elif self._index is None and self._remover is None and self._copy:
             self._map()  # a copy sent to a loader service: the segments exist
         elif self._index is None:
-            Zygote.get()  # removes the segments should this process die
             self._create(capacity)
-            self._remover = weakref.finalize(self, _remove_files, self.names)
+            self._remover = weakref.finalize(self, _close_all, (self._index_fd, self._data_fd))
         if capacity > self.capacity:
             raise ValueError(
                 f"this cache holds indices below {self.capacity}; the dataset has {capacity}"
@@ -213,8 +216,14 @@ class SharedCache(Closing):
 
     def _create(self, capacity: int) -> None:
         index_bytes = _HEADER.size + _ENTRY.size * capacity
-        shm.create(self.names[0], index_bytes).close()
-        shm.create(self.names[1], self.size_limit, reserved=False).close()  # filled lazily
+        if self._by_name:
+            shm.create(self.names[0], index_bytes).close()
+            shm.create(self.names[1], self.size_limit, reserved=False).close()  # filled lazily
+        else:  # blocks: nothing left behind whatever ends this process
+            (index, self._index_fd), (data, self._data_fd) = shm.new_block(), shm.new_block()
+            self.names = (index, data)
+            shm.reserve(self._index_fd, 0, index_bytes)
+            os.ftruncate(self._data_fd, self.size_limit)  # filled lazily
         self._map()
         assert self._index is not None
         _HEADER.pack_into(self._index, 0, capacity, 0, 0, 0)
@@ -222,18 +231,22 @@ class SharedCache(Closing):
     def _map(self) -> None:
         if self._index is not None:
             return
-        self._index_fd = shm.open_owned(self.names[0])
-        self._data_fd = shm.open_owned(self.names[1])
+        if self._index_fd < 0:
+            opening = shm.open_owned if self._by_name else shm.open_block
+            self._index_fd = opening(self.names[0])
+            self._data_fd = opening(self.names[1])
         self._index = mmap.mmap(self._index_fd, 0)
         self._data = mmap.mmap(self._data_fd, 0)
         self.size_limit = len(self._data)  # a named cache has the size its maker gave it
 
     def __getstate__(self) -> dict[str, Any]:
         """Decode processes get the names and map the segments themselves."""
-        return {"size_limit": self.size_limit, "names": self.names}
+        return {"size_limit": self.size_limit, "names": self.names,
+                "by_name": self._by_name}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.size_limit, self.names = state["size_limit"], state["names"]
+        self._by_name = state["by_name"]
         self.name, self._members_fd, self._remover = None, -1, None
         self._index, self._data, self._index_fd, self._data_fd = None, None, -1, -1
         self.hits = self.misses = self.uncacheable = 0
@@ -382,12 +395,11 @@ class SharedCache(Closing):
             if block is not None:
                 with contextlib.suppress(BufferError):  # arrays still viewing it keep it
                     block.close()
-        for descriptor in (self._index_fd, self._data_fd):
-            if descriptor >= 0:
-                os.close(descriptor)
-        self._index, self._data, self._index_fd, self._data_fd = None, None, -1, -1
+        if self._remover is None:
+            _close_all((self._index_fd, self._data_fd))
         if self._remover is not None:
-            self._remover()
+            self._remover()  # the maker's descriptors: the blocks go with the last mapping
+        self._index, self._data, self._index_fd, self._data_fd = None, None, -1, -1
         if self._members_fd >= 0:
             self._leave()
 
@@ -438,6 +450,12 @@ def remove_if_unused(name: str) -> None:
         _remove_files((stem + "-index", stem + "-data", _members_name(name)))
     finally:
         os.close(members)
+
+
+def _close_all(descriptors: tuple[int, ...]) -> None:
+    for descriptor in descriptors:
+        if descriptor >= 0:
+            os.close(descriptor)
 
 
 def _remove_files(names: tuple[str, ...]) -> None:

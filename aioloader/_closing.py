@@ -42,7 +42,7 @@ class ProcessBound:
     A child made by `os.fork()` gets a copy of the object, but none of the threads behind it,
     and the processes, sockets and shared memory the copy names are still the parent's; the
     child's finalizers run on its `sys.exit`. So where `foreign` is True, closing only lets go
-    of the child's copies: it never stops a process, shuts a socket down, unlinks a segment or
+    of the child's copies: it never stops a process, shuts a socket down, closes a block or
     takes a lock (a thread of the parent may have held it at the fork).
     """
 

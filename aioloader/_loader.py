@@ -87,7 +87,7 @@ class Loader(Closing, AsyncClosing):
             this process holds, else the cluster RAY_ADDRESS names, else a local one started
             for this Loader, never one found running, and stopped when its last Loader
             closes; `num_workers` actors). An executor or client stays yours.
-        shared_memory: hand large batches back through /dev/shm instead of pickles.
+        shared_memory: hand large batches back through shared memory instead of pickles.
         augment: with `cache=`, the random step `augment(value, rng)` run every epoch on the
             cached output of `decode`.
         cache: an `aioloader.SharedCache` keeping decoded samples in shared memory.
@@ -327,7 +327,7 @@ class Loader(Closing, AsyncClosing):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the decode processes and unlink the shared memory; idempotent, from any
+        """Stop the decode processes and let go of the shared memory; idempotent, from any
         thread. A pass in progress raises LoaderError; batches handed over stay valid."""
         self._runner.close()
         self._finalizer()

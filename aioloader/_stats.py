@@ -89,7 +89,7 @@ class LoaderStats:
     """Wall seconds spent inside runs (from first request to end or break)."""
     transport: dict[str, int] = field(default_factory=lambda: {"shared": 0, "pickled": 0})
     """Batches handed back through shared memory and through pickles (and `no_space`: how
-    many of those pickles were because /dev/shm was full)."""
+    many of those pickles were because shared memory had no room)."""
     worker_restarts: int = 0
     """Decode processes that died (a signal, the OOM killer) and were replaced mid-pass."""
     decode_timeouts: int = 0

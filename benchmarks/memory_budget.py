@@ -1,5 +1,6 @@
-"""What `memory_limit` bounds: the peak of /dev/shm plus the peak growth of the anonymous
-memory (RssAnon: heaps, not shared pages, which /dev/shm counts once) of every aioloader
+"""What `memory_limit` bounds: the peak of shared memory (the machine's Shmem: the blocks, which
+have no name in /dev/shm) plus the peak growth of the anonymous memory (RssAnon: heaps, not
+shared pages, which Shmem counts once) of every aioloader
 process (the trainer, its service, the zygote, the decode processes), for decoded samples much
 larger than the raw ones, and a consumer that takes one batch at a time and holds none while
 it sleeps a step.
@@ -49,8 +50,12 @@ class Filled:
 
 
 def shm_used() -> int:
-    status = os.statvfs("/dev/shm")
-    return (status.f_blocks - status.f_bfree) * status.f_frsize
+    """The machine's shared memory in use: /dev/shm, memory files, tmpfs."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def anonymous(pid: int) -> int | None:
@@ -65,8 +70,8 @@ def anonymous(pid: int) -> int | None:
 
 
 class Peaks(threading.Thread):
-    """Samples /dev/shm and every process of this tree every 5 ms: peak /dev/shm above where
-    it started, peak sum of each process's RssAnon above its first sight."""
+    """Samples shared memory and every process of this tree every 5 ms: peak shared memory
+    above where it started, peak sum of each process's RssAnon above its first sight."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
@@ -141,7 +146,7 @@ def main() -> None:
                              None if service == "None" else service,
                              int(ranks[0]) if ranks else 1)))
         return
-    print("| samples x batch | memory_limit | service | peak /dev/shm | peak RssAnon growth "
+    print("| samples x batch | memory_limit | service | peak shared | peak RssAnon growth "
           "| total | limit + 64 MiB |")
     print("|---|---|---|---|---|---|---|")
     for size, batch, limit, service, ranks in ROWS:

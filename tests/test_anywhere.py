@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from segments import names
 
 import aioloader
 from aioloader.testing import TestServer
@@ -489,7 +490,7 @@ def test_a_kernel_with_a_live_loader_shuts_down_at_once_and_leaves_nothing(
     print(f"a kernel with a live Loader shut down in {took:.2f} s")
     assert took < 2.0  # 0.4 s here; 2.6 s while the zygote stayed a zombie
     _assert_nothing_left_by(kernel)
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"aioloader-{kernel}-")]
+    assert not names()  # and its blocks went with its processes: they are never named
 
 
 # -- 5: module-level state a decode mutates ------------------------------------------------

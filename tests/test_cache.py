@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from segments import blocks
 
 import aioloader
 from aioloader._ipc import shm
@@ -28,8 +29,9 @@ def flip(value: tuple[np.ndarray, int], rng: np.random.Generator) -> dict[str, o
     return {"image": image[:, ::-1] if rng.random() < 0.5 else image, "index": index}
 
 
-def segments() -> set[str]:
-    return {n for n in os.listdir(shm.SHM_DIR) if "-cache-" in n}
+def segments() -> set[int]:
+    """An unnamed cache's blocks, in this process (held or mapped)."""
+    return set(blocks([os.getpid()]))
 
 
 Batches = list[list[tuple[list[int], list[list[int]]]]]

@@ -230,8 +230,9 @@ def test_the_planted_pickle_would_have_run(drop: Path) -> None:
 # -- an index corrupted by its owner -----------------------------------------------------------
 
 
-def overwrite(name: str, offset: int, content: bytes) -> None:
-    descriptor = os.open(shm.path(name), os.O_WRONLY)
+def overwrite(token: str, offset: int, content: bytes) -> None:
+    """Write into an unnamed cache's block, as its owner could."""
+    descriptor = shm.open_block(token)
     try:
         os.pwrite(descriptor, content, offset)
     finally:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from segments import held
 
 import aioloader
-from aioloader._ipc import shm
 from aioloader.testing import TestServer
 
 from decoders import SAMPLE_COUNT, index_of, jpeg_index, two_megabytes
@@ -111,16 +111,15 @@ def test_corrupt_samples_raise_or_are_skipped(tmp_path: Path) -> None:
 
 
 def shm_bytes(pid: int) -> int:
-    """Bytes of the shared-memory segments process `pid` owns."""
-    folder = Path(shm.SHM_DIR)
-    return sum(p.stat().st_size for p in folder.glob(shm.prefix(pid) + "*") if p.is_file())
+    """Bytes of the shared blocks process `pid` holds."""
+    return sum(held([pid]).values())
 
 
 def peak_memory_while_the_consumer_stops(
     paths: list[str], memory_limit: int | None, service: str | None
 ) -> float:
     """Bytes over the start: the RSS of the main process (and of its loader service) plus
-    their /dev/shm segments, at their peak while the consumer takes two batches and then stops
+    their shared blocks, at their peak while the consumer takes two batches and then stops
     for 3 s."""
     me = psutil.Process()
     loader = aioloader.Loader(aioloader.Files(paths), decode=two_megabytes, batch_size=8,

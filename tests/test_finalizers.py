@@ -4,6 +4,7 @@ collected at the wrong moment, or a loop that a dataset wedges, never hangs the 
 from __future__ import annotations
 
 import gc
+import os
 import signal
 import threading
 import time
@@ -13,11 +14,11 @@ from typing import Any
 
 import psutil
 import pytest
+from segments import blocks
 from test_service import wait_until_gone
 
 import aioloader
 from aioloader import _reaper as reaper
-from aioloader._ipc import shm
 from aioloader._ipc.channel import Channel
 from aioloader._iteration import handles
 from aioloader._processes.zygote import Zygote
@@ -128,8 +129,8 @@ def test_an_interrupted_pass_whose_exception_is_kept_does_not_keep_its_loader(
         kept = e
     assert kept is not None and kept.__traceback__ is not None
     family = [psutil.Process(pid) for pid in snapshot().processes - before]
-    prefixes = [shm.prefix(process.pid) for process in family] + [shm.prefix()]
-    del loader
+    made = set(blocks([os.getpid(), *(process.pid for process in family)]))
+    del loader, _  # the batch taken, too: a view keeps its block's memory
     gc.collect()
     assert collected() is None  # its finalizer ran: service, processes and blocks go
-    wait_until_gone(family, prefixes)
+    wait_until_gone(family, made)

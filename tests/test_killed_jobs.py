@@ -1,7 +1,7 @@
-"""What a job killed whole leaves in /dev/shm: nobody of it is left to remove its segments (the
-zygote died with it: `kill -9` of the process group, as `timeout -s KILL`, Slurm and a cgroup
-OOM kill do), so the next Loader of the same user removes the segments of processes that are
-gone."""
+"""What a job killed whole leaves behind: nothing. Nobody of it is left to clean up (its zygote
+dies with it: `kill -9` of the process group, as `timeout -s KILL`, Slurm and a cgroup OOM kill
+do), so its shared memory must need nobody: blocks are held by descriptor, never by a name in
+/dev/shm, and go with the last process that holds or maps them."""
 
 from __future__ import annotations
 
@@ -14,10 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-import aioloader
-
-from decoders import index_of
+from segments import blocks, names
 
 JOB = """
 import sys, time
@@ -34,37 +31,32 @@ time.sleep(120)
 """
 
 
-def _segments_of(pids: set[int]) -> list[str]:
-    return sorted(name for name in os.listdir("/dev/shm")
-                  if any(name.startswith(f"aioloader-{pid}-") for pid in pids))
-
-
-@pytest.mark.parametrize("service", [None, "process"])
-def test_segments_of_a_job_killed_whole_are_swept_by_the_next_loader(
+@pytest.mark.parametrize("service", [None, "process", "node"])
+def test_a_job_killed_whole_leaves_no_shared_memory_at_once(
     service: str | None, local_paths: list[str], tmp_path: Path
 ) -> None:
     script = JOB.format(tests=str(Path(__file__).parent), paths=local_paths[:32])
+    names_before = names()
     job = subprocess.Popen([sys.executable, "-c", script, str(service)], stdout=subprocess.PIPE,
                            text=True, start_new_session=True)
     try:
         assert job.stdout is not None
         assert job.stdout.readline().strip() == "running"
         tree = {job.pid, *(p.pid for p in psutil.Process(job.pid).children(recursive=True))}
+        made = set(blocks(tree))
+        assert made, "no shared block in use: the test no longer shows what a kill leaves"
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(30)
         deadline = time.monotonic() + 10
         while any(psutil.pid_exists(pid) and not _zombie(pid) for pid in tree):
             assert time.monotonic() < deadline, "the job's processes outlived its SIGKILL"
             time.sleep(0.05)
-        left = _segments_of(tree)
-        print(f"service={service}: the killed job left {len(left)} segments")
-        assert left, "nothing was left to sweep: the test no longer kills the job whole"
-        with aioloader.Loader(aioloader.Files(local_paths[:8]), decode=index_of, batch_size=4,
-                              num_workers=1, service=service):  # type: ignore[arg-type]
-            deadline = time.monotonic() + 20
-            while _segments_of(tree) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        assert _segments_of(tree) == []
+        deadline = time.monotonic() + 10  # a node's service ends on its own when its ranks do
+        while (left := made & set(blocks())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"service={service}: {len(made)} blocks in use, {len(left)} left after the kill")
+        assert not left
+        assert names() == names_before  # and no name in /dev/shm, then or now
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)

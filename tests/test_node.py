@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from segments import blocks, is_held
 from test_service import _epochs, _plain, wait_until_gone
 
 import aioloader
-from aioloader._ipc import shm
 from aioloader._ipc.channel import Channel
 from aioloader._ipc.messages import Chunk, Environment
 from aioloader._processes.pool import DecodePool
@@ -91,10 +91,6 @@ def _wait_gone(pid: int, seconds: float = 10.0) -> None:
     pytest.fail(f"the node's loader service (pid {pid}) still runs {seconds:g} s later")
 
 
-def _segments_of(pid: int) -> list[str]:
-    return [name for name in os.listdir(shm.SHM_DIR) if name.startswith(shm.prefix(pid))]
-
-
 def test_every_rank_gets_the_batches_its_own_loader_gives_from_one_service(
     urls: list[str], leak_check: None
 ) -> None:
@@ -108,6 +104,8 @@ def test_every_rank_gets_the_batches_its_own_loader_gives_from_one_service(
         pids = {_service_pid(loader) for loader in served}
         assert len(pids) == 1, "the ranks were served by more than one service"
         assert pids != {os.getpid()}
+        made = set(blocks(pids))
+        assert made
         for loader in served:  # each rank's wait is its own
             assert loader.stats.batches == len(expected[0])
             assert loader.stats.consumer_wait.count == len(expected[0])
@@ -116,7 +114,7 @@ def test_every_rank_gets_the_batches_its_own_loader_gives_from_one_service(
             loader.close()
     (pid,) = pids
     _wait_gone(pid)
-    assert not _segments_of(pid)
+    assert not made & set(blocks())  # nobody maps them any more
 
 
 def test_a_node_rank_resumes_breaks_and_raises_as_its_own_loader_does(urls: list[str]) -> None:
@@ -233,7 +231,6 @@ def test_a_rank_that_dies_costs_the_others_nothing_and_the_last_ends_the_service
                           shuffle=True, seed=5, rank=1, world_size=RANKS, service=None) as alone:
         assert got == [_plain(batch) for batch in alone]
     _wait_gone(pid)
-    assert not _segments_of(pid)
 
 
 def test_a_sigkilled_last_rank_takes_the_service_and_its_blocks_with_it(
@@ -247,10 +244,12 @@ def test_a_sigkilled_last_rank_takes_the_service_and_its_blocks_with_it(
         pid = int(line.split()[1])
         family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
         assert len(family) >= 3, "no decode processes under the node's service"
+        made = set(blocks([rank.pid, *(p.pid for p in family)]))
+        assert made
     finally:
         rank.send_signal(signal.SIGKILL)
         rank.wait(10)
-    wait_until_gone(family, [shm.prefix(pid)])
+    wait_until_gone(family, made)
 
 
 def test_a_rank_with_another_configuration_gets_its_own_service_and_batches(
@@ -472,9 +471,9 @@ def test_blocks_a_leaving_rank_still_held_go_back_while_the_others_run(
         names = {_block_of(batch, client._maps) for batch in kept}
         leaving.close()  # the trainer keeps its views: their memory stays, the pool's room too
         deadline = time.monotonic() + 10
-        while names & set(os.listdir(shm.SHM_DIR)) and time.monotonic() < deadline:
+        while any(map(is_held, names)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not names & set(os.listdir(shm.SHM_DIR)), "held blocks stayed in the pool"
+        assert not any(map(is_held, names)), "held blocks stayed in the pool"
         assert [int(batch[0, 0, 0, 0]) for batch in kept] == [0, 16, 32]  # still readable
         assert len(list(staying_batches)) == 7 - 3  # 100 samples: 7 batches each
     finally:

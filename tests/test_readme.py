@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from segments import names
 
 from aioloader._tools.images import make_images
 from aioloader._tools.packing import list_items, pack_recordio
@@ -171,12 +172,6 @@ def session_members(session: int) -> list[str]:
     return members
 
 
-def shared_memory_of(pid: int) -> list[str]:
-    """aioloader's shared-memory segments owned by process `pid`, still there."""
-    shm = Path("/dev/shm")
-    return sorted(p.name for p in shm.glob(f"aioloader-{pid}-*")) if shm.is_dir() else []
-
-
 @dataclass
 class Run:
     status: int | None
@@ -206,7 +201,7 @@ def run_block(block: Block, folder: Path, server_url: str) -> Run:
         stdout, stderr = process.communicate()
         return Run(None, stdout, stderr, [])
     deadline = time.monotonic() + 5  # the README: all gone within a second of the main process
-    while (left := session_members(process.pid) + shared_memory_of(process.pid)) and (
+    while (left := session_members(process.pid) + names()) and (
         time.monotonic() < deadline
     ):
         time.sleep(0.1)

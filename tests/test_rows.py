@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -77,15 +78,15 @@ def mapped(result: ChunkResult, slot: transport.Slot) -> Any:
     assert result.failure is None, result.failure
     if not result.shared:
         return result.items[0]
-    block = shm.attach(slot.name)
+    block = shm.attach_block(slot.name)
     return transport.views(block, result.items, lambda: None)[0]
 
 
 @pytest.fixture
 def fresh_name() -> Any:
-    name = shm.new_name("test")
+    name, descriptor = shm.new_block()
     yield name
-    shm.unlink(name)
+    os.close(descriptor)
 
 
 @pytest.mark.parametrize("decode", [rich, widening])
@@ -108,7 +109,7 @@ def test_parts_of_a_first_chunk_write_their_rows_into_the_first_parts_block(
     parts = [respond(spec, Chunk(0, piece, piece, lent, rows=8, first_row=start,
                                  layout=first.layout))
              for start, piece in ((1, indices[1:5]), (5, indices[5:]))]
-    memory = np.frombuffer(shm.attach(fresh_name), np.uint8)
+    memory = np.frombuffer(shm.attach_block(fresh_name), np.uint8)
     joined = join_rows([first, *parts], [1, 4, 3], memory)
     assert [position for position, _ in joined.skipped] == [1, 6]
     joined.shared = True

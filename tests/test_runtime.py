@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from segments import blocks, names
 
 import aioloader
 from aioloader._ipc import shm
@@ -190,16 +191,15 @@ def test_sigkill_of_the_main_process_leaves_no_process_and_no_shared_memory(
         pid = json.loads(parent.stdout.readline())["pid"]
         family = psutil.Process(pid).children(recursive=True)
         assert len(family) >= 3  # the zygote and two decode processes
-        mine = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.prefix(pid))]
-        assert mine  # batch blocks and the unnamed cache
+        made = set(blocks([pid, *(p.pid for p in family)]))
+        assert made  # batch blocks and the unnamed cache
         assert any(f"-cache-{name}-" in n for n in os.listdir(shm.SHM_DIR))
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
 
         def all_gone() -> bool:
             alive = [p for p in family if not ended(p)]
-            left = [n for n in os.listdir(shm.SHM_DIR)
-                    if n.startswith(shm.prefix(pid)) or f"-cache-{name}-" in n]
+            left = made & set(blocks()) or [n for n in names() if f"-cache-{name}-" in n]
             return not alive and not left
 
         assert wait_until(all_gone, 10), "decode processes or segments outlived their parent"
@@ -340,9 +340,9 @@ with warnings.catch_warnings(record=True) as caught:
             total += len(batch)
 print("samples", total)
 print("transport", loader.stats.transport)
-print("warned", [str(w.message) for w in caught if "shm" in str(w.message)][:1])
+print("warned", [str(w.message) for w in caught if "memory" in str(w.message)][:1])
 try:
-    aioloader.SharedCache(1)
+    aioloader.SharedCache(1, name="too-big")
 except ValueError as e:
     print("cache refused:", e)
 """
@@ -355,11 +355,14 @@ def in_small_shm(script: Path, megabytes: int) -> subprocess.CompletedProcess[st
                           text=True, timeout=120)
 
 
-def test_batches_larger_than_dev_shm_come_pickled_with_a_warning_never_sigbus(
+def test_batches_larger_than_a_small_dev_shm_still_come_shared(
     local_paths: list[str], tmp_path: Path
 ) -> None:
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare for a private /dev/shm")
+    """Docker gives a container 64 MiB of /dev/shm: blocks are not there (memory by
+    descriptor), so batches of 38 MiB, three decoding at once, still come shared; only a named
+    cache lives in /dev/shm, and one that does not fit is refused with the way out."""
     script = tmp_path / "small_shm.py"
     script.write_text(SMALL_SHM_SCRIPT.format(tests=str(TESTS), paths=local_paths))
     done = in_small_shm(script, 64)
@@ -367,8 +370,8 @@ def test_batches_larger_than_dev_shm_come_pickled_with_a_warning_never_sigbus(
     assert f"samples {3 * SAMPLE_COUNT}" in done.stdout
     transport = json.loads(re.search(r"transport (.*)", done.stdout)  # type: ignore[union-attr]
                            .group(1).replace("'", '"'))
-    assert transport["pickled"] > 0 and transport["no_space"] > 0
-    assert "--shm-size" in done.stdout
+    assert transport["shared"] > 0 and transport["pickled"] == 0 and "no_space" not in transport
+    assert "warned []" in done.stdout
     assert re.search(r"cache refused: .*1\.00 GiB does not fit.*0\.0\d GiB free", done.stdout)
 
 

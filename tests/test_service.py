@@ -7,7 +7,6 @@ the training process sees: batches, positions, errors, stats, and what is left b
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
 import signal
 import subprocess
@@ -21,10 +20,10 @@ from typing import Any
 import numpy as np
 import psutil
 import pytest
+from segments import blocks
 from test_tarshards import write_shards
 
 import aioloader
-from aioloader._ipc import shm
 from aioloader._iteration.handles import ServiceHandle
 
 from conftest import ended
@@ -270,25 +269,25 @@ def test_a_sigkilled_trainer_takes_its_service_decode_processes_and_blocks_with_
         services = [p for p in family if p.pid != trainer.pid and any(
             c.pid in {f.pid for f in family} for c in p.children())]
         assert services, "no loader service with decode processes under the trainer"
-        prefixes = [shm.prefix(p.pid) for p in [psutil.Process(trainer.pid), *family]]
-        assert any(name.startswith(tuple(prefixes)) for name in os.listdir(shm.SHM_DIR))
+        made = set(blocks([trainer.pid, *(p.pid for p in family)]))
+        assert made
     finally:
         trainer.send_signal(signal.SIGKILL)
         trainer.wait(10)
-    wait_until_gone(family, prefixes)
+    wait_until_gone(family, made)
 
 
-def wait_until_gone(family: list[psutil.Process], prefixes: list[str]) -> None:
-    """Fail unless every process of `family` has ended, and no segment named with one of
-    `prefixes` is left, within 10 s."""
+def wait_until_gone(family: list[psutil.Process], made: set[int]) -> None:
+    """Fail unless every process of `family` has ended, and no process holds or maps any of
+    the blocks `made` any more, within 10 s."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         alive = [p for p in family if not ended(p)]
-        left = [n for n in os.listdir(shm.SHM_DIR) if n.startswith(tuple(prefixes))]
+        left = made & set(blocks())
         if not alive and not left:
             return
         time.sleep(0.1)
-    pytest.fail(f"left behind: processes {alive}, segments {left}")
+    pytest.fail(f"left behind: processes {alive}, blocks {left}")
 
 
 def test_an_error_that_cannot_be_pickled_still_reaches_the_trainer_by_name(

@@ -1,5 +1,5 @@
 """Shared memory the decode processes keep mapped: within the loader's memory_limit, also
-after the main process has unlinked the blocks (a mapping keeps an unlinked block's RAM)."""
+after the main process has let go of the blocks (a mapping keeps a block's RAM)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from segments import mapped
 
 import aioloader
 from aioloader._ipc import shm
@@ -31,22 +32,6 @@ def big_sample(index: int) -> dict[str, Any]:
     return {"pixels": np.full(SAMPLE_BYTES, index % 251, np.uint8), "pid": os.getpid()}
 
 
-def mapped_segments(pids: set[int]) -> dict[int, int]:
-    """Bytes of each loader segment (by inode, unlinked ones included) these processes map;
-    a segment mapped by several counts once, as its memory does."""
-    found: dict[int, int] = {}
-    for pid in pids:
-        with open(f"/proc/{pid}/maps") as maps:
-            lines = maps.readlines()
-        for line in lines:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(shm.path("aioloader-")):
-                start, end = (int(n, 16) for n in fields[0].split("-"))
-                inode = int(fields[4])
-                found[inode] = max(found.get(inode, 0), end - start)
-    return found
-
-
 def test_decode_processes_keep_no_unlinked_blocks_mapped_past_the_memory_limit() -> None:
     loader = aioloader.Loader(Indices(), decode=big_sample, batch_size=1, num_workers=2,
                               memory_limit=LIMIT, persistent_workers=True)
@@ -58,7 +43,7 @@ def test_decode_processes_keep_no_unlinked_blocks_mapped_past_the_memory_limit()
             for batch in loader:
                 assert (batch["pixels"] == int(batch["pixels"][0, 0])).all()
                 pids.update(int(pid) for pid in batch["pid"])
-                worst = max(worst, sum(mapped_segments(pids).values()))
+                worst = max(worst, sum(mapped(pids).values()))
         assert loader.stats.transport["shared"] > 0
     one_block = SAMPLE_BYTES + 2**16  # the sample, its pid, alignment and the last page
     assert worst <= LIMIT + one_block, f"decode processes mapped {worst / 2**20:.0f} MiB"

@@ -1,14 +1,14 @@
-"""Batches through shared memory: right values, never overwritten while held, nothing left
-in /dev/shm."""
+"""Batches through shared memory: right values, never overwritten while held, no block held
+once the loader is closed."""
 
 from __future__ import annotations
 
 import gc
-import os
 import time
 
 import numpy as np
 import pytest
+from segments import blocks
 
 import aioloader
 from aioloader._ipc import shm
@@ -18,16 +18,17 @@ from decoders import SAMPLE_COUNT, big_image, die_on_five, slow_big_image
 pytestmark = pytest.mark.skipif(not shm.available(), reason="needs /dev/shm (Linux)")
 
 
-def segments() -> set[str]:
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith("aioloader-")}
+def segments() -> set[int]:
+    """The blocks of every process, held or mapped."""
+    return set(blocks())
 
 
-def made_since(before: set[str]) -> set[str]:
-    """Segments made since `before` and still there (an earlier test's may go meanwhile)."""
+def made_since(before: set[int]) -> set[int]:
+    """Blocks made since `before` and still there (an earlier test's may go meanwhile)."""
     return segments() - before
 
 
-def segments_settle(before: set[str]) -> set[str]:
+def segments_settle(before: set[int]) -> set[int]:
     """The segments made since `before` left once collection has run, waiting up to the
     contract's 5 s."""
     deadline = time.monotonic() + 5
@@ -46,8 +47,9 @@ def test_large_batches_come_through_shared_memory_unchanged(urls: list[str]) -> 
     for n, batch in enumerate(batches):
         assert batch.shape == (10, 3, 64, 64)
         assert (batch[:, 0, 0, 0] == np.arange(n * 10, n * 10 + 10)).all()
-    assert not made_since(before)  # unlinked at close, while the batches are still readable
-    assert batches[0][3].sum() == 3 * 64 * 64 * 3
+    assert batches[0][3].sum() == 3 * 64 * 64 * 3  # readable after close
+    del batches, batch
+    assert not segments_settle(before)  # the pool let go at close: the views held the rest
 
 
 @pytest.mark.parametrize("service", [None, "process"])
@@ -80,7 +82,7 @@ def test_a_chunk_waiting_for_a_process_holds_no_block(
     the blocks the consumer let go of are used again. Lent while waiting, every chunk of
     the decode window made a block of its own (9-10 here, 4-5 now)."""
     before = segments()
-    made: set[str] = set()
+    made: set[int] = set()
     loader = aioloader.Loader(aioloader.Files(local_paths), decode=slow_big_image,
                               batch_size=10, num_workers=1, service=service)
     with loader:
@@ -142,16 +144,17 @@ def test_break_consumer_error_and_killed_worker_leave_no_segments(urls: list[str
     for n, _ in enumerate(loader):
         if n == 3:
             break
-    del loader
+    del loader, _  # the last batch's view too: it keeps its block's memory
     assert not segments_settle(before)
     with pytest.raises(KeyError), aioloader.Loader(
         aioloader.Files(urls), decode=big_image, batch_size=4
     ) as loader:
         for _ in loader:
             raise KeyError("consumer bug")
-    assert not made_since(before)
+    del _
+    assert not segments_settle(before)
     with pytest.raises(aioloader.WorkerDiedError), aioloader.Loader(
         aioloader.Files(urls), decode=die_on_five, batch_size=4
     ) as loader:
         list(loader)
-    assert not made_since(before)
+    assert not segments_settle(before)

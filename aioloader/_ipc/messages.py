@@ -88,7 +88,7 @@ class ChunkResult:
     needed: int = 0
     """Bytes the items' arrays need in shared memory."""
     no_space: bool = False
-    """/dev/shm could not hold the block: the items came pickled instead."""
+    """Shared memory could not hold the block: the items came pickled instead."""
     layout: Layout | None = None
     """The first part of a pass's first chunk: where each array of the batch lies in the
     block, with a row for every sample of the chunk."""

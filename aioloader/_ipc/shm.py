@@ -1,9 +1,18 @@
-"""The one shared-memory layer: segments in /dev/shm created with their space reserved,
-attached only when they are this user's own, unlinked, and named so that the zygote can remove
-what a dead process left behind.
+"""The one shared-memory layer.
 
-Reserving the space (`posix_fallocate`) at creation is what keeps a full /dev/shm from killing a
-process with SIGBUS on its first write: the caller gets `NoSpace` instead and can fall back.
+Blocks (a batch's arrays, an unnamed cache) are memory files with no name anywhere
+(`memfd_create`): the process that makes one holds its descriptor, and the others reach it as
+`/proc/PID/fd/N`, which the kernel lets only the same user open. The memory goes when the
+maker closes the descriptor and the last mapping is gone, so a job killed whole, by any signal,
+leaves nothing behind (PyTorch's `file_descriptor` strategy, without sending descriptors).
+
+Named segments in /dev/shm remain only for what must be found by name: a named `SharedCache`
+shared by the training processes of a machine. They are attached only when they are this
+user's own.
+
+Reserving the space (`posix_fallocate`) at creation is what keeps a full /dev/shm, or a memory
+limit, from killing a process with SIGBUS on its first write: the caller gets `NoSpace`
+instead and can fall back.
 """
 
 from __future__ import annotations
@@ -16,17 +25,16 @@ import stat
 import sys
 
 SHM_DIR = "/dev/shm"
+BLOCK_NAME = "aioloader-block"
+"""What a block's descriptor shows in /proc/PID/fd and /proc/PID/maps (`/memfd:` first)."""
 
 
 class NoSpace(Exception):
-    """/dev/shm cannot hold a segment of the size asked for."""
+    """Shared memory (/dev/shm, or the memory a limit leaves) cannot hold the size asked for."""
 
     def __init__(self, needed: int) -> None:
         self.needed = needed
-        self.free = free_bytes()
-        super().__init__(
-            f"/dev/shm has {self.free / 2**20:.0f} MiB free, {needed / 2**20:.1f} MiB were needed"
-        )
+        super().__init__(f"no room for {needed / 2**20:.1f} MiB more of shared memory")
 
 
 class NotOwned(PermissionError):
@@ -39,17 +47,6 @@ def available() -> bool:
 
 def path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
-
-
-def prefix(pid: int | None = None) -> str:
-    """Names of segments owned by process `pid` (default: this one) start with this; the
-    zygote removes them when that process dies."""
-    return f"aioloader-{os.getpid() if pid is None else pid}-"
-
-
-def new_name(kind: str) -> str:
-    """A fresh, unguessable name for a segment of this process."""
-    return f"{prefix()}{kind}-{os.urandom(6).hex()}"  # secrets' token_hex, without its 7 ms import
 
 
 def free_bytes() -> int:
@@ -150,50 +147,62 @@ def unlink(name: str) -> None:
         os.unlink(path(name))
 
 
-def sweep_dead() -> list[int]:
-    """Unlink the segments of this user's processes that are gone: a job killed whole (its
-    zygote with it: `kill -9` of the group, the OOM killer, a reboot's leftovers on a
-    persistent /dev/shm) had nobody left to remove them. The pids swept."""
-    if not os.path.isdir(SHM_DIR):
-        return []
-    uid, swept = os.getuid(), []
-    owned: dict[int, list[str]] = {}
-    for name in os.listdir(SHM_DIR):
-        parts = name.split("-", 2)
-        if len(parts) == 3 and parts[0] == "aioloader" and parts[1].isdigit():
-            owned.setdefault(int(parts[1]), []).append(name)
-    for pid, names in sorted(owned.items()):
-        if not _gone(pid):
-            continue  # alive (or a pid reused since: left alone, as the owner may be alive)
-        with contextlib.suppress(FileNotFoundError):
-            if all(os.stat(os.path.join(SHM_DIR, n)).st_uid == uid for n in names):
-                for name in names:
-                    unlink(name)
-                swept.append(pid)
-    return swept
+# -- blocks: memory by descriptor ---------------------------------------------------------------
+# A block is named by a token, "PID:FD:INODE": the process holding it, its descriptor there, and
+# the file's inode, checked on opening so that a descriptor number used again for another file
+# is never taken for the block.
 
 
-def _gone(pid: int) -> bool:
-    """Whether process `pid` has ended: no such process, or a zombie (an orphan of a killed
-    job waits for init to reap it, which may take a while)."""
+def new_block() -> tuple[str, int]:
+    """A fresh, empty block of this process's: its token and the descriptor to hold it by (the
+    block lives while this descriptor is open, or while anyone maps it)."""
+    descriptor = os.memfd_create(BLOCK_NAME, os.MFD_CLOEXEC)
+    return f"{os.getpid()}:{descriptor}:{os.fstat(descriptor).st_ino}", descriptor
+
+
+def open_block(token: str) -> int:
+    """A read-write descriptor of the block `token` names; FileNotFoundError if its maker has
+    let go of it (or ended), NotOwned if it is not this user's."""
+    pid, number, inode = (int(part) for part in token.split(":"))
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # another user's: alive
+        descriptor = os.open(f"/proc/{pid}/fd/{number}", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"shared block {token} is gone: its process let go of it"
+                                ) from None
+    info = os.fstat(descriptor)
+    if info.st_ino != inode or info.st_uid != os.geteuid():
+        os.close(descriptor)
+        if info.st_ino != inode:
+            raise FileNotFoundError(f"shared block {token} is gone: its descriptor was reused")
+        raise NotOwned(f"shared block {token} belongs to uid {info.st_uid}: refusing to use it")
+    return descriptor
+
+
+def fill(token: str, size: int, populate: bool = False) -> mmap.mmap:
+    """Give a fresh block its `size` bytes, reserved now (NoSpace if they do not fit), and map
+    it. Whatever an earlier writer left (a process that died writing it) is dropped first."""
+    descriptor = open_block(token)
     try:
-        with open(f"/proc/{pid}/stat") as status:
-            return status.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+        os.ftruncate(descriptor, 0)
+        reserve(descriptor, 0, size)
+        return _map(descriptor, size, populate)
+    finally:
+        os.close(descriptor)
 
 
-def remove_leftovers(pid: int) -> int:
-    """Unlink every segment process `pid` owned; how many there were."""
-    if not os.path.isdir(SHM_DIR):
-        return 0
-    names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix(pid))]
-    for name in names:
-        unlink(name)
-    return len(names)
+def empty(token: str) -> None:
+    """Give a fresh block's memory back, so it is fresh again for whoever is lent it next."""
+    descriptor = open_block(token)
+    try:
+        os.ftruncate(descriptor, 0)
+    finally:
+        os.close(descriptor)
+
+
+def attach_block(token: str, populate: bool = False) -> mmap.mmap:
+    """Map a block another process (or this one) holds; `populate` as for `attach`."""
+    descriptor = open_block(token)
+    try:
+        return _map(descriptor, 0, populate)
+    finally:
+        os.close(descriptor)

@@ -1,19 +1,20 @@
 """Batches handed back from decode processes through shared memory instead of pickles.
 
-The main process owns a bounded pool of blocks. Each decode task is lent one (`Slot`): a block
-of known size, or a fresh name the decode process creates the block under, at the size its
-batch needs, with the space reserved so that a full /dev/shm gives a pickled batch and a warning
-instead of SIGBUS. The process writes the batch's arrays into the block and sends back only
-their places; the main process maps them as numpy arrays over the block, without a copy. A
-block returns to the pool only when no array viewing it is alive, so batches a consumer keeps
-never change. Results under `SMALL_RESULT` bytes of arrays keep the pickle path.
+The main process owns a bounded pool of blocks (memory by descriptor: `shm`). Each decode task
+is lent one (`Slot`): a block of known size, or a fresh, empty one the decode process fills at
+the size its batch needs, with the space reserved so that memory that runs out gives a pickled
+batch and a warning instead of SIGBUS. The process writes the batch's arrays into the block
+and sends back only their places; the main process maps them as numpy arrays over the block,
+without a copy. A block returns to the pool only when no array viewing it is alive, so batches
+a consumer keeps never change. Results under `SMALL_RESULT` bytes of arrays keep the pickle
+path.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import mmap
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -36,7 +37,8 @@ ALIGN = 64
 
 @dataclass(frozen=True)
 class Slot:
-    """A block lent to one decode task; size 0: a fresh name the process creates."""
+    """A block lent to one decode task (`name`: its token); size 0: a fresh block the process
+    gives its size."""
 
     name: str
     size: int
@@ -120,16 +122,16 @@ def shared_bytes(value: Any) -> int:
 # -- decode process side ------------------------------------------------------------------------
 # A decode process maps a block only while it works on the chunk the block was lent to: the
 # mapping goes with the last array viewing it, when `decode.respond` returns. A mapping kept
-# longer would hold the block's memory after the main process unlinks it, out of sight of the
+# longer would hold the block's memory after the main process lets go of it, out of sight of the
 # pool's byte count and of the main process's RSS (a cache of 32 blocks held 880 MiB with a
 # memory_limit of 64 MiB). The pages are mapped in one call (`populate`), so mapping anew per
 # chunk costs little next to writing the batch.
 
 
 def write(value: Any, slot: Slot, needed: int) -> Any | None:
-    """The shareable arrays of `value` copied into the slot's block (created now, `needed`
-    bytes, when the slot is a fresh name), replaced by their places; None if the block is too
-    small. NoSpace when /dev/shm cannot hold a fresh block."""
+    """The shareable arrays of `value` copied into the slot's block (given `needed` bytes now,
+    when it is fresh), replaced by their places; None if the block is too small. NoSpace when
+    shared memory cannot hold a fresh block."""
     block = _block(slot, needed)
     if block is None:
         return None
@@ -150,24 +152,19 @@ def write(value: Any, slot: Slot, needed: int) -> Any | None:
 
 
 def allocator(slot: Slot, needed: int) -> BlockAllocator | None:
-    """An allocator over the slot's block (created now, `needed` bytes, when the slot is a
-    fresh name); None if the block is too small. NoSpace when /dev/shm cannot hold it."""
+    """An allocator over the slot's block (given `needed` bytes now, when it is fresh); None if
+    the block is too small. NoSpace when shared memory cannot hold it."""
     block = _block(slot, needed)
     return None if block is None else BlockAllocator(slot, block)
 
 
 def _block(slot: Slot, needed: int) -> mmap.mmap | None:
-    """The slot's block mapped: created at `needed` bytes for a fresh name, else attached if it
-    can hold them (None if not)."""
+    """The slot's block mapped: given `needed` bytes if it is fresh, else if it can hold them
+    (None if not)."""
     if slot.size == 0:
-        try:
-            return shm.create(slot.name, needed, populate=True)
-        except FileExistsError:  # made by a process that died writing this chunk, which
-            shm.refuse_foreign(slot.name)  # was sent again with its slot: made anew
-            shm.unlink(slot.name)
-            return shm.create(slot.name, needed, populate=True)
+        return shm.fill(slot.name, needed, populate=True)
     if needed <= slot.size:
-        return shm.attach(slot.name, populate=True)
+        return shm.attach_block(slot.name, populate=True)
     return None
 
 
@@ -179,7 +176,7 @@ class BlockAllocator:
     """Hands out arrays inside a lent block, front to back, so collate writes the batch
     straight into shared memory (one copy less than collating, then copying). The block is
     mapped at the first array asked for (a custom collate never maps it here), or when `open`
-    learns the batch's size: a fresh name's block is created then, at that size."""
+    learns the batch's size: a fresh block is given that size then."""
 
     def __init__(self, slot: Slot, block: mmap.mmap | None = None) -> None:
         self._slot = slot
@@ -189,8 +186,8 @@ class BlockAllocator:
         self.used = 0
 
     def open(self, needed: int) -> None:
-        """Map the block for a batch of `needed` bytes, creating it for a fresh name; NoRoom
-        if the lent block is smaller, NoSpace if /dev/shm cannot hold a fresh one."""
+        """Map the block for a batch of `needed` bytes, sizing it if it is fresh; NoRoom if the
+        lent block is smaller, NoSpace if shared memory cannot hold a fresh one."""
         if self._memory is not None:
             return
         block = _block(self._slot, needed)
@@ -201,7 +198,7 @@ class BlockAllocator:
     def open_lent(self) -> None:
         if self._memory is None:
             if self._slot.size == 0:
-                raise NoRoom  # a fresh name: nothing to map until the size is known
+                raise NoRoom  # a fresh block: nothing to map until the size is known
             self.open(self._slot.size)
 
     def __call__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
@@ -238,12 +235,12 @@ class BlockAllocator:
         return map_arrays(value, lambda array: self.place(array) or array)
 
     def discard(self) -> None:
-        """The batch went elsewhere (pickled, or it failed): a block created here is removed,
-        so its fresh name stays fresh for the pool."""
+        """The batch went elsewhere (pickled, or it failed): a block sized here is emptied, so
+        it stays fresh for the pool and holds no memory."""
         self.used = 0
         if self._created:
             self._memory, self._created = None, False
-            shm.unlink(self._slot.name)
+            shm.empty(self._slot.name)
 
 
 @dataclass
@@ -276,12 +273,13 @@ def views(block: mmap.mmap, value: Any, on_free: Callable[[], Any]) -> Any:
 class BlockPool(ProcessBound):
     """The main process's blocks: lent to tasks, mapped into batches, reused when free.
 
-    A task is lent a free block, or, while there are fewer than `max_blocks`, a fresh name the
-    decode process creates the block under: how many bytes that comes to is the memory
-    budget's to bound (`budget.py`), which admits a chunk only when its batch fits. A block too
-    small for a later batch, or idle past the room the budget leaves, is removed rather than
-    kept.
-    Blocks carry this process's name prefix, so the zygote removes them if this process dies.
+    A task is lent a free block, or, while there are fewer than `max_blocks`, a fresh one the
+    decode process gives its size: how many bytes that comes to is the memory budget's to
+    bound (`budget.py`), which admits a chunk only when its batch fits. A block too small for a
+    later batch, or idle past the room the budget leaves, is removed rather than kept.
+    The pool holds each block by its descriptor; removing one closes it, and its memory goes
+    with the last mapping (a process still writing it, a view still held). When this process
+    ends, however it ends, so do its blocks.
     In a child forked from this process the blocks are the parent's: it leases none, and
     releasing or closing does nothing there (without the lock, which a thread of the parent
     may have held at the fork).
@@ -296,22 +294,21 @@ class BlockPool(ProcessBound):
         """Called after a block is given back (from any thread): room was made."""
         self._maps: dict[str, mmap.mmap] = {}
         self._sizes: dict[str, int] = {}
-        """Every name lent or free; size 0 while a decode process may still be creating it."""
+        """Every block lent or free; size 0 while it is fresh (a decode process may be sizing
+        it)."""
+        self._descriptors: dict[str, int] = {}
+        """What holds each block."""
         self._free: list[str] = []
         self._holds: dict[str, int] = {}
         """Holds on blocks with more than one (exported parts here and in a client)."""
         self._removed: list[str] = []
         """Exporting: names removed since the client was last told (it keeps blocks mapped)."""
         self._max_idle = max_idle
-        """Bytes of idle blocks kept, at most: /dev/shm is memory too."""
-        self._late: set[str] = set()
-        """Names lent to processes that were killed: unlinked now and again at close, in case
-        a dying process created one after the first unlink."""
+        """Bytes of idle blocks kept, at most: shared memory is memory too."""
         self._once: set[str] = set()
         """Blocks removed rather than kept when released."""
         self._lock = threading.Lock()
         self._closed = False
-        self._names = (f"{shm.new_name('batch')}-{n}" for n in itertools.count())
         reaper.start()  # releases from finalizers may go there
 
     def lease(self, once: bool = False) -> Slot | None:
@@ -327,14 +324,14 @@ class BlockPool(ProcessBound):
                 return Slot(name, self._sizes[name])
             if len(self._sizes) >= self.max_blocks:
                 return None
-            name = next(self._names)
+            name, self._descriptors[name] = shm.new_block()
             self._sizes[name] = 0
             if once:
                 self._once.add(name)
             return Slot(name, 0)
 
     def release(self, name: str) -> None:
-        """The task is over or the views are gone: the block (or the fresh name its process
+        """The task is over or the views are gone: the block (or the fresh one its process
         did not use, for a result too small to share) is free again."""
         if self.foreign:
             return
@@ -377,19 +374,12 @@ class BlockPool(ProcessBound):
             self._free.append(name)
 
     def retire(self, name: str) -> None:
-        """Unlink a block now: too small, or lent to a process now surely stopped."""
+        """Remove a block now: too small, or its task failed (a process still writing it keeps
+        its memory only until it is done)."""
         if self.foreign:
             return
         with self._lock:
             self._remove(name)
-
-    def retire_later(self, name: str) -> None:
-        """Unlink a block lent to a process that may still be writing it."""
-        if self.foreign:
-            return
-        with self._lock:
-            self._remove(name)
-            self._late.add(name)
 
     def adopt(self, items: list[Any], slot: Slot, here: bool = False) -> list[Any]:
         """A result's items with each SharedArray replaced by a view of the block; the block
@@ -399,8 +389,8 @@ class BlockPool(ProcessBound):
         export = self.export and not here
         with self._lock:
             block = self._maps.get(slot.name)
-            if block is None:  # made by the decode process just now
-                block = self._maps[slot.name] = shm.attach(slot.name)
+            if block is None:  # sized by the decode process just now
+                block = self._maps[slot.name] = shm.attach_block(slot.name)
                 self._sizes[slot.name] = len(block)
             if export and items:
                 self._holds[slot.name] = len(items)
@@ -431,7 +421,7 @@ class BlockPool(ProcessBound):
                 self._remove(self._free[0])
 
     def _remove(self, name: str) -> None:
-        """Unlink a block; its memory goes when the last view of it does."""
+        """Let go of a block; its memory goes when the last view of it does."""
         self._once.discard(name)
         self._maps.pop(name, None)
         self._sizes.pop(name, None)
@@ -440,11 +430,13 @@ class BlockPool(ProcessBound):
             self._removed.append(name)
         if name in self._free:
             self._free.remove(name)
-        shm.unlink(name)
+        descriptor = self._descriptors.pop(name, -1)
+        if descriptor >= 0:
+            os.close(descriptor)
 
     def take_removed(self) -> list[str]:
         """Exporting: the blocks removed since the last call, which the client must stop
-        mapping (a mapping would keep an unlinked block's memory)."""
+        mapping (a mapping would keep a removed block's memory)."""
         with self._lock:
             removed, self._removed = self._removed, []
         return removed
@@ -469,11 +461,10 @@ class BlockPool(ProcessBound):
         return sum(self._sizes[name] for name in self._free)
 
     def close(self) -> None:
-        """Unlink every block now; batches still held keep their memory until dropped."""
+        """Let go of every block now; batches still held keep their memory until dropped."""
         if self.foreign:
             return
         with self._lock:
             self._closed = True
-            for name in [*self._sizes, *self._late]:
+            for name in list(self._sizes):
                 self._remove(name)
-            self._late.clear()

@@ -185,7 +185,7 @@ class Pass:
         self._budget.leave(self)
         if self._blocks is not None:
             for name in self._lent:
-                self._blocks.retire_later(name)
+                self._blocks.retire(name)
         if self._owns_storage:
             with contextlib.suppress(RuntimeError):  # the loop is gone: the session goes too
                 self.loop.create_task(self._storage.aclose())
@@ -199,10 +199,8 @@ class Pass:
             await asyncio.gather(*self._tasks.cancel_all(), return_exceptions=True)
             await self._decoder.aclose()  # busy processes are stopped: blocks are safe to drop
             if self._blocks is not None:
-                retire = (self._blocks.retire_later if self._decoder.shared
-                          else self._blocks.retire)  # shared: a process may write it yet
                 for name in self._lent:
-                    retire(name)
+                    self._blocks.retire(name)
         finally:
             self._budget.leave(self)
             if self._owns_storage:
@@ -511,7 +509,7 @@ class Pass:
         known, and the rest is divided among as many processes as the memory limit has room
         for a decoded sample on the way, each writing its rows into that block in place: the
         batch is never copied, and never held twice. Where the first sample leaves no block
-        (small batches, a skipped sample, a full /dev/shm), the rest is divided all the same,
+        (small batches, a skipped sample, shared memory full), the rest is divided all the same,
         each part in a block of its own, joined by a copy."""
         assert self._blocks is not None
         slot = self._blocks.lease()
@@ -535,7 +533,7 @@ class Pass:
             results = await _every(map(self._run, chunks))  # they share a block
         finally:
             self._reserved -= first.needed
-        memory = np.frombuffer(shm.attach(slot.name), np.uint8)
+        memory = np.frombuffer(shm.attach_block(slot.name), np.uint8)
         joined = join_rows([first, *results], [1, *map(len, pieces)], memory)
         del memory
         joined.needed, joined.shared = first.needed, joined.failure is None and bool(joined.items)
@@ -594,7 +592,7 @@ class Pass:
         except BaseException:
             if chunk.slot is not None and self._blocks is not None:
                 self._lent.discard(chunk.slot.name)
-                self._blocks.retire_later(chunk.slot.name)  # its process may have been mid-write
+                self._blocks.retire(chunk.slot.name)  # its process may have been mid-write
             raise
         self._record(result)
         return result
@@ -624,9 +622,9 @@ class Pass:
         self._stats.transport["no_space"] = self._stats.transport.get("no_space", 0) + 1
         if self._stats.transport["no_space"] == 1:
             warnings.warn(
-                f"/dev/shm is too small for a batch of {needed / 2**20:.1f} MiB, so batches come "
-                "back pickled (slower). Grow it: docker run --shm-size=2g (or mount a larger "
-                "tmpfs on /dev/shm).",
+                f"shared memory has no room for a batch of {needed / 2**20:.1f} MiB (the "
+                "memory this job may use is spent), so batches come back pickled (slower). "
+                "Lower memory_limit or prefetch, or raise the job's memory limit.",
                 RuntimeWarning,
                 stacklevel=2,
             )

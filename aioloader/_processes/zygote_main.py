@@ -39,7 +39,6 @@ from typing import Any
 
 from .._cache import remove_if_unused
 from .._ipc.channel import Channel
-from .._ipc.shm import remove_leftovers
 from .._worker.preload import preload
 from .._worker.serve import serve
 
@@ -180,8 +179,8 @@ class _Server:
         self.stop(list(self.clients.values()))
 
     def stop(self, clients: list[_Client]) -> None:
-        """Processes first (none may create a segment after the sweep), then the shared
-        memory and caches the clients' processes named with their pids."""
+        """Processes first, then the named caches the clients had joined (their last member
+        removes one)."""
         for client in clients:
             for pid in client.children:
                 with contextlib.suppress(ProcessLookupError):
@@ -191,7 +190,6 @@ class _Server:
             self.reap()
             time.sleep(0.01)
         for client in clients:
-            remove_leftovers(client.pid)
             for name in client.caches:
                 remove_if_unused(name)
 

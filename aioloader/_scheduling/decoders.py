@@ -95,9 +95,6 @@ def short_list(values: list[int], limit: int = 8) -> str:
 
 
 class Decoder(Protocol):
-    shared: bool
-    """Its processes serve other passes too: closing the pass stops none of them, so a block
-    lent to one of its chunks may still be written afterwards."""
     lends_late: bool
     """It calls a chunk's `on_send` as the chunk goes to a process: the pass lends the block
     then. Otherwise the block is lent before the chunk is given to the decoder."""
@@ -120,7 +117,6 @@ class Decoder(Protocol):
 class _HoldsNothing:
     """A decoder with no processes of its own: nothing to watch or to release."""
 
-    shared = False
     lends_late = False
 
     def in_flight(self) -> list[tuple[float, str]]:
@@ -179,7 +175,6 @@ class PoolDecoder:
     out once, with the same rng.
     """
 
-    shared = False
     lends_late = True
 
     def __init__(
@@ -436,8 +431,6 @@ class SharedDecoder:
     waits, its result ignored if a process runs it. Closing the pass stops no process: the
     others' chunks run on.
     """
-
-    shared = True
 
     def __init__(self, decoder: Decoder) -> None:
         self._decoder = decoder

@@ -166,7 +166,6 @@ class RemoteDecoder:
     of the stall watchdog meanwhile: a worker an executor cannot stop is named, not waited on
     for ever."""
 
-    shared = False
     lends_late = False
 
     def __init__(

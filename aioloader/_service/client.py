@@ -238,7 +238,7 @@ class ServiceClient(ProcessBound):
                 name = item.name
                 block = self._maps.get(name)
                 if block is None:
-                    block = self._maps[name] = shm.attach(name)
+                    block = self._maps[name] = shm.attach_block(name)
                 item = views(block, item.value, lambda: self._released.append(name))
             self._send(Take(self._take_released()))
             return item, message.position

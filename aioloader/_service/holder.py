@@ -12,7 +12,6 @@ from collections import deque
 from .._closing import ProcessBound
 from .._config import LoaderConfig
 from .._errors import LoaderError
-from .._ipc import shm
 from .._ipc.channel import dumps
 from .._processes.zygote import Zygote
 from .._stats import LoaderStats
@@ -132,12 +131,11 @@ def _pickled_for_decode(config: LoaderConfig, spec: DecodeSpec) -> list[bytes]:
 
 
 def _warm_up(service: ServiceHolder, config: LoaderConfig) -> None:
-    """Remove what killed jobs left in /dev/shm, then start the zygote with the packages
-    imported (a node's service has its own), then the loader service if there is one. Given
-    the holder and the configuration, not the Loader: a Loader dropped meanwhile is finalized
-    (closing what was started) rather than kept alive by this thread."""
+    """Start the zygote with the packages imported (a node's service has its own), then the
+    loader service if there is one. Given the holder and the configuration, not the Loader: a
+    Loader dropped meanwhile is finalized (closing what was started) rather than kept alive by
+    this thread."""
     with contextlib.suppress(Exception):  # a failure shows, with its cause, at the first pass
-        shm.sweep_dead()
         if config.service == "node":
             return
         Zygote.get().preload(service.packages)

@@ -140,7 +140,7 @@ class Warned:
 
 @dataclass(frozen=True)
 class Removed:
-    """Blocks the service unlinked: stop mapping them."""
+    """Blocks the service let go of: stop mapping them."""
 
     names: list[str]
 

@@ -92,8 +92,8 @@ class NodeShare:
         return decoder
 
     def _drop_block(self, chunk: Chunk) -> None:
-        """A result nobody waits for (its pass ended) came back: its block, which its process
-        may have created after the pass unlinked it, goes now."""
+        """A result nobody waits for (its pass ended) came back: its block goes now, if the
+        pass's end has not let go of it already."""
         if chunk.slot is not None and self.blocks is not None:
             self.blocks.retire(chunk.slot.name)
 
