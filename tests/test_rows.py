@@ -133,16 +133,17 @@ def test_a_loaders_first_batch_in_parts_with_skips_is_the_inline_batch() -> None
             same(mine, theirs)
 
 
-@pytest.mark.parametrize("row", [(50, 2, 128, "process"), (50, 2, 128, "None"),
-                                 (100, 1, 256, "process")])
+@pytest.mark.parametrize("row", [(50, 2, 128, "process", 1), (50, 2, 128, "None", 1),
+                                 (100, 1, 256, "process", 1), (8, 4, 128, "node", 3)])
 def test_memory_limit_bounds_shared_memory_and_every_processs_heap(
-        row: tuple[int, int, int, str]) -> None:
+        row: tuple[int, int, int, str, int]) -> None:
     """Samples 1,000,000 times their raw size, a consumer that holds no batch while it
-    sleeps: peak /dev/shm plus the peak heap growth of every process of the job stays within
-    the limit, plus 64 MiB for the interpreters' own (`benchmarks/memory_budget.py`)."""
-    size, batch, limit, service = row
+    sleeps: peak shared memory plus the peak heap growth of every process of the job stays
+    within the limit, plus 64 MiB for the interpreters' own (`benchmarks/memory_budget.py`).
+    A node's limit is the node's: three ranks, seven processes, one account."""
+    size, batch, limit, service, ranks = row
     output = subprocess.run([sys.executable, str(BENCHMARK), str(size), str(batch), str(limit),
-                             service, "1"], capture_output=True, text=True, timeout=240)
+                             service, str(ranks)], capture_output=True, text=True, timeout=240)
     assert output.returncode == 0, output.stderr
     got = json.loads(output.stdout.strip().splitlines()[-1])
     assert got["total_mib"] <= limit + 64, got

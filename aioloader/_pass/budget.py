@@ -7,9 +7,12 @@ read and not decoded, batches that came back pickled and wait in its heap, and w
 being decoded will hold (their block, and the decoded samples in the decode process on the way
 into it). A node's service has one account for all its ranks' passes: the limit is the node's.
 
-Work past the limit waits; the one chunk a waiting consumer needs next always goes, so a
-consumer that keeps every batch still gets the next (the batches it keeps are its own memory).
-Idle blocks are kept only in the room left.
+Work past the limit waits; the one chunk a waiting consumer needs next goes whatever the room
+once no other pass of the account is decoding, so a consumer that keeps every batch still gets
+the next (the batches it keeps are its own memory), and a node's ranks, all waiting, go past
+the limit by one chunk at a time, not one each. A pass reads ahead (prefetch) only while no
+other pass's consumer waits with nothing decoding: a rank's next batch comes before another
+rank's prefetch takes the room. Idle blocks are kept only in the room left.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ class Holder(Protocol):
         is theirs to use, not to shed."""
         ...
 
+    @property
+    def decoding(self) -> int:
+        """Chunks being decoded."""
+        ...
+
+    @property
+    def starving(self) -> bool:
+        """Its consumer waits, and nothing of it is being decoded."""
+        ...
+
     def wake(self) -> None:
         """Room was made: try again what waited for it (called in the pass's loop)."""
         ...
@@ -45,6 +58,8 @@ class ReadAhead:
     holder only while it holds something."""
 
     blocks_promised = 0
+    decoding = 0
+    starving = False
 
     def __init__(self, budget: MemoryBudget) -> None:
         self._budget = budget
@@ -96,6 +111,20 @@ class MemoryBudget:
 
     def room(self) -> int:
         return self.limit - self.held()
+
+    def others_decoding(self, holder: Holder) -> bool:
+        """Whether a pass other than `holder` is decoding (a node's other ranks)."""
+        return any(other.decoding for other in self._holders if other is not holder)
+
+    def others_starving(self, holder: Holder) -> bool:
+        """Whether the consumer of a pass other than `holder` waits with nothing decoding."""
+        return any(other.starving for other in self._holders if other is not holder)
+
+    def wake_others(self, holder: Holder) -> None:
+        """`holder` started or ended a decode: the others' turn may have come."""
+        for other in list(self._holders):
+            if other is not holder:
+                other.wake()
 
     def freed(self) -> None:
         """Something was given back: idle blocks shrink to the room left, and every pass

@@ -263,6 +263,14 @@ class Pass:
         heap, and what the chunks being decoded were promised."""
         return self._raw + self._results + self._reserved
 
+    @property
+    def decoding(self) -> int:
+        return self._decoding
+
+    @property
+    def starving(self) -> bool:
+        return self._urgent and not self._decoding
+
     def wake(self) -> None:
         self._room_changed.set()
         self._stage_changed.set()
@@ -379,6 +387,7 @@ class Pass:
             self._reserved += pending.reserved
             self.blocks_promised += pending.block
             self._decoding += 1
+            self._budget.wake_others(self)  # none starves on this pass now
             self._next_step = max(self._next_step, pending.first_step + pending.steps)
             decoding.add(self._spawn(self._decode(pending), "chunk"))
         if decoding:
@@ -391,8 +400,10 @@ class Pass:
         """Whether the first ready chunk may start decoding. In order, the window is a distance
         ahead of the next step to hand over; out of order, it is a count of chunks decoding or
         finished. Within it, a chunk decodes if what it will hold fits in the memory limit's
-        room, or if the consumer waits for it, whatever the room. Until a chunk has been
-        decoded, what one holds is not known: one chunk at a time, to learn it."""
+        room, or if the consumer waits for it, whatever the room, once no other pass of the
+        account is decoding; one the consumer does not wait for yet waits while another pass's
+        consumer starves. Until a chunk has been decoded, what one holds is not known: one
+        chunk at a time in the whole account, to learn it."""
         if not self._ready:
             return False
         window = self.config.decode_window
@@ -406,9 +417,13 @@ class Pass:
             if self._decoding + waiting_chunks >= window:
                 return False
             needed_next = self._decoding == 0 and waiting_chunks == 0
+        alone = not self._budget.others_decoding(self)
         if self._budget.sample_bytes is None:
-            return self._decoding == 0
-        return (needed_next and self._urgent) or self._chunk_cost() <= self._budget.room()
+            return self._decoding == 0 and alone
+        if needed_next and self._urgent:
+            return alone or self._chunk_cost() <= self._budget.room()
+        return (self._chunk_cost() <= self._budget.room()
+                and not self._budget.others_starving(self))
 
     def _chunk_cost(self) -> int:
         """What decoding a chunk may come to hold: its batch, and the decoded samples on the
@@ -436,6 +451,7 @@ class Pass:
             self.blocks_promised -= pending.block
             pending.reserved = pending.block = 0
             self._release(pending)
+            self._budget.wake_others(self)  # their room, and their turn past the limit
         self._progress_at = moment = now()
         self._results += in_heap
         if pending.indices:
