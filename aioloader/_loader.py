@@ -300,15 +300,18 @@ class Loader(Closing, AsyncClosing):
         self._runner.move(Position(epoch, position, position, remaining))
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (samples when batch_size is None)."""
-        step = self.batch_size or 1
+        """Batches this rank gets in the next pass (in the running one, while it runs):
+        after `load_state_dict`, those of the resumed pass, as progress bars and schedulers
+        need (samples when batch_size is None)."""
+        step, at = self.batch_size or 1, self._runner.at
         if not isinstance(self.dataset, Stream):
-            return steps_in_epoch(len(self.dataset), step, self.world_size, self.config.drop_last)
+            return steps_in_epoch(len(self.dataset) - at.start, step, self.world_size,
+                                  self.config.drop_last)
         if not hasattr(self.dataset, "__len__"):
             raise TypeError("this Loader reads a Stream without __len__: its length is unknown")
         dataset = cast(Sized, self.dataset)
-        info = self._factory.shard_info(self._runner.at.epoch)
-        items = call_with_shard_info(info, lambda: len(dataset))
+        info = self._factory.shard_info(at.epoch, at.remaining)
+        items = call_with_shard_info(info, lambda: len(dataset)) - at.start
         return items // step if self.config.drop_last else -(-items // step)
 
     def __iter__(self) -> Iterator[Any]:

@@ -99,8 +99,8 @@ def test_a_tar_epoch_resumes_on_another_world_size_with_nothing_skipped(
             for n, batch in enumerate(loader, 1):
                 taken += ids(batch)
                 if n == 3:
+                    state = json.loads(json.dumps(loader.state_dict()))  # inside the loop
                     break
-            state = json.loads(json.dumps(loader.state_dict()))
     assert state["position"] == 3 * 4 * before
     rest: list[int] = []
     steps = set()
@@ -128,8 +128,8 @@ def test_a_tar_epoch_resumed_on_the_same_world_size_equals_the_uninterrupted_one
             for batch in first:
                 taken.append(ids(batch))
                 if len(taken) == 4:
+                    state = first.state_dict()
                     break
-            state = first.state_dict()
         second = loader_for(shards, 1 - rank, 2)  # any rank's state resumes every rank
         second.load_state_dict(state)
         other = [ids(b) for b in loader_for(shards, 1 - rank, 2)]
@@ -217,17 +217,18 @@ def test_set_epoch_after_load_state_dict_keeps_the_saved_position(
 
     first = make()
     first.set_epoch(1)
+    steps = len(first)
     for n, _ in enumerate(first, 1):
         if n == 3:
+            state = first.state_dict()
             break
-    state = first.state_dict()
     resumed = make()
     resumed.load_state_dict(state)
     resumed.set_epoch(1)  # what a training loop does at the top of each epoch
-    assert len(list(resumed)) == len(first) - 3
+    assert len(list(resumed)) == steps - 3
     resumed.load_state_dict(state)
     resumed.set_epoch(2)  # another epoch: from its start
-    assert len(list(resumed)) == len(first)
+    assert len(list(resumed)) == steps
 
 
 @pytest.mark.parametrize(

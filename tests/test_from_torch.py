@@ -155,3 +155,73 @@ def test_tensors_that_numpy_cannot_hold_or_that_require_grad_collate() -> None:
     assert stacked.float().tolist() == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
     grads = [torch.ones(2, requires_grad=True), torch.zeros(2, requires_grad=True)]
     assert aioloader.default_collate(grads).tolist() == [[1.0, 1.0], [0.0, 0.0]]
+
+
+class Scaled(TorchDataset):  # type: ignore[misc]
+    """A dataset its user changes between epochs: a factor set, items appended."""
+
+    def __init__(self) -> None:
+        self.items = [0, 1, 2, 3]
+        self.scale = 1
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> int:
+        return self.items[index] * self.scale
+
+
+@pytest.mark.parametrize("service", ["process", None])
+def test_each_pass_takes_the_dataset_as_it_is_when_the_pass_starts(
+    service: str | None
+) -> None:
+    """As each iter() of a DataLoader gives its workers the dataset as it is then: a change
+    made after the loader was built, or between epochs, is seen, and len() agrees with the
+    batches that come."""
+    dataset = Scaled()
+    loader = aioloader.Loader(aioloader.from_torch(dataset), batch_size=2, num_workers=2,
+                              service=service)
+    with loader:
+        dataset.scale = 10  # after building
+        assert [x for batch in loader for x in batch.tolist()] == [0, 10, 20, 30]
+        dataset.items.append(4)
+        assert len(loader) == 3
+        batches = [batch.tolist() for batch in loader]
+        assert batches == [[0, 10], [20, 30], [40]] and len(batches) == len(loader)
+        dataset.scale = 100
+        assert [x for batch in loader for x in batch.tolist()] == [0, 100, 200, 300, 400]
+
+
+@pytest.mark.parametrize("service", ["process", None])
+def test_persistent_workers_keep_the_dataset_of_the_first_pass(service: str | None) -> None:
+    """DataLoader's persistent workers keep their copy: so do a persistent pool's."""
+    dataset = Scaled()
+    loader = aioloader.Loader(aioloader.from_torch(dataset), batch_size=2, num_workers=2,
+                              service=service, persistent_workers=True)
+    with loader:
+        dataset.scale = 10  # before the first pass: seen
+        assert [x for batch in loader for x in batch.tolist()] == [0, 10, 20, 30]
+        dataset.scale = 100
+        assert [x for batch in loader for x in batch.tolist()] == [0, 10, 20, 30]
+
+
+def test_epochs_cut_short_see_as_many_distinct_samples_as_dataloader() -> None:
+    """`zip(range(20), loader)` five times, with shuffle and no set_epoch, as a loop that takes
+    N steps per epoch does: each pass starts a new order, as each DataLoader iter() does (it
+    used to start the same epoch over, and trained on the same 640 samples five times)."""
+    dataset = list(range(3200))
+    ours = aioloader.Loader(aioloader.from_torch(dataset), batch_size=32, shuffle=True,
+                            num_workers=0)
+    theirs = DataLoader(dataset, batch_size=32, shuffle=True)
+
+    def distinct(loader: object) -> int:
+        seen: set[int] = set()
+        for _ in range(5):
+            for _, batch in zip(range(20), loader, strict=False):  # type: ignore[call-overload]
+                seen.update(int(i) for i in batch)
+        return len(seen)
+
+    with ours:
+        got, expected = distinct(ours), distinct(theirs)
+        assert ours.state_dict()["epoch"] == 5 and ours.state_dict()["position"] == 0
+    assert abs(got - expected) < 0.05 * expected, (got, expected)  # about 2150 each

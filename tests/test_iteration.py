@@ -35,12 +35,12 @@ class Numbers(aioloader.Dataset):
         return index
 
 
-def test_a_position_starts_where_it_resumes_and_moves_on_only_at_an_epochs_end() -> None:
+def test_a_position_starts_where_it_resumes_and_any_pass_ends_at_the_next_epoch() -> None:
     resumed = Position(2, 40, 40, ((0, 5),))
     assert resumed.started() == Position(2, 40, None, ((0, 5),))
+    assert resumed.start == resumed.started().start == 40
     assert Position(2, 40).started() == Position(2, 0)  # no resume point: the epoch's start
-    assert Position(2, 0).ended(finished=True, position=99) == Position(3)
-    assert Position(2, 0).ended(finished=False, position=24) == Position(2, 24)
+    assert resumed.started().ended() == Position(3)  # finished or broken off alike
     assert resumed.at_epoch(2) is resumed  # set_epoch of the saved epoch keeps the resume
     assert resumed.at_epoch(3) == Position(3)
 
@@ -63,10 +63,10 @@ def test_a_local_pass_runs_one_at_a_time_and_books_where_it_left_the_loader() ->
     with pytest.raises(aioloader.LoaderError, match="already running"):
         runner.open()
     batches.close()  # a `break`
-    assert runner.at == Position(0, 4)  # broken off: same epoch, where it stood
+    assert runner.at == Position(1)  # broken off: the next epoch, as a finished pass
     assert [_numbers(b) for b in Iteration(owner, runner.open)] == [[0, 1, 2, 3], [4, 5, 6, 7],
                                                                   [8, 9]]
-    assert runner.at == Position(1)
+    assert runner.at == Position(2)
 
 
 def test_an_async_pass_dropped_mid_pass_is_released_before_the_next_opens() -> None:
@@ -79,7 +79,7 @@ def test_an_async_pass_dropped_mid_pass_is_released_before_the_next_opens() -> N
         return [_numbers(b) async for b in AsyncIteration(object(), runner.open_async)]
 
     assert asyncio.run(run()) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert runner.at == Position(1)
+    assert runner.at == Position(2)
 
 
 def test_closing_the_runner_makes_a_running_pass_raise_and_refuses_new_ones() -> None:
@@ -132,7 +132,7 @@ def test_a_service_pass_books_each_batch_and_tells_once_that_it_ended() -> None:
     assert [handle.next(), handle.next()] == [2, 3]
     assert handle.position == 4
     assert asyncio.run(handle.next_async()) == 4
-    assert handle.next() is END and handle.finished
+    assert handle.next() is END
     handle.close()
     assert ended == [handle] and client.stopped == []  # finished: nothing to stop
 
@@ -143,7 +143,7 @@ def test_a_service_pass_broken_off_or_dropped_stops_the_service_once() -> None:
     handle.next()
     handle.close()
     handle.close()
-    assert client.stopped == [True] and ended == [handle] and not handle.finished
+    assert client.stopped == [True] and ended == [handle]
     dropped = ServiceHandle.open(_opening(client, 0, ended))
     reaper.start()  # as a Loader does when it is made
     dropped.drop()  # a finalizer: the stop goes to the reaper's thread, without waiting

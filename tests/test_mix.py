@@ -32,11 +32,16 @@ def tagged(item: aioloader.Mixed, rng: np.random.Generator) -> tuple[str, int, f
     return item.source, int(item.item), float(rng.random())
 
 
-def rows(loader: aioloader.Loader, limit: int | None = None) -> list[tuple[str, int, float]]:
+def rows(loader: aioloader.Loader, limit: int | None = None,
+         saved: list[dict[str, Any]] | None = None) -> list[tuple[str, int, float]]:
+    """The rows of a pass, or of its first `limit` batches; then the state is put in `saved`,
+    taken inside the loop, as a resumable job saves it."""
     out: list[tuple[str, int, float]] = []
     for n, (names, items, draws) in enumerate(loader):
         out += list(zip(names, items.tolist(), draws.tolist(), strict=True))
         if limit is not None and n + 1 == limit:
+            if saved is not None:
+                saved.append(json.loads(json.dumps(loader.state_dict())))
             break
     return out
 
@@ -99,8 +104,9 @@ def test_a_resumed_mixture_equals_the_uninterrupted_run(break_at: int) -> None:
 
     uninterrupted = rows(make())
     first = make()
-    taken = rows(first, limit=break_at)
-    state = json.loads(json.dumps(first.state_dict()))
+    saved: list[dict[str, Any]] = []
+    taken = rows(first, limit=break_at, saved=saved)
+    state = saved[0]
     assert set(state["sources"]) == {"web", "code", "books"}
     assert sum(s["pass"] * n + s["position"] for s, n in
                zip(state["sources"].values(), (700, 200, 100), strict=True)) == state["position"]
@@ -142,9 +148,10 @@ def test_a_stream_in_the_mixture_is_read_per_rank_and_resumed() -> None:
     for n, batch in enumerate(first):
         taken += list(zip(*batch, strict=True))
         if n == 5:
+            state = first.state_dict()
             break
     second = make()
-    second.load_state_dict(first.state_dict())
+    second.load_state_dict(state)
     assert taken + [row for batch in second for row in zip(*batch, strict=True)] == everything
 
 

@@ -265,11 +265,16 @@ def test_rows_are_shuffled_within_windows_of_about_shuffle_window_row_groups(
     assert epoch(0, seed=2) != order
 
 
-def batched_ids(loader: aioloader.Loader, limit: int | None = None) -> list[list[int]]:
+def batched_ids(loader: aioloader.Loader, limit: int | None = None,
+                saved: list[dict[str, Any]] | None = None) -> list[list[int]]:
+    """The ids of a pass, or of its first `limit` batches; then the state is put in `saved`,
+    taken inside the loop, as a resumable job saves it."""
     out = []
     for batch in loader:
         out.append(batch["id"].tolist())
         if len(out) == limit:
+            if saved is not None:
+                saved.append(json.loads(json.dumps(loader.state_dict())))
             break
     return out
 
@@ -291,8 +296,9 @@ def test_resume_continues_exactly_without_reading_skipped_windows(
     with make(0) as whole:
         uninterrupted = batched_ids(whole)
     with make(workers) as first:
-        taken = batched_ids(first, limit=break_at)
-        state = json.loads(json.dumps(first.state_dict()))
+        saved: list[dict[str, Any]] = []
+        taken = batched_ids(first, limit=break_at, saved=saved)
+        state = saved[0]
     with make(0) as second:
         second.load_state_dict(state)
         assert taken + batched_ids(second) == uninterrupted

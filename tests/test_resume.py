@@ -7,6 +7,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,12 +23,16 @@ SETTINGS = settings(max_examples=12, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-def batches_of(loader: aioloader.Loader, limit: int | None = None) -> list[list[float]]:
-    """Each batch as a list of (index, first noise value) pairs, flattened."""
+def batches_of(loader: aioloader.Loader, limit: int | None = None,
+               saved: list[dict[str, Any]] | None = None) -> list[list[float]]:
+    """Each batch as a list of (index, first noise value) pairs, flattened; after `limit`
+    batches, the state is put in `saved`, taken inside the loop as a resumable job does."""
     out = []
     for batch in loader:
         out.append(np.column_stack([batch["index"], batch["noise"][:, 0]]).ravel().tolist())
         if limit is not None and len(out) == limit:
+            if saved is not None:
+                saved.append(json.loads(json.dumps(loader.state_dict())))
             break
     return out
 
@@ -53,8 +58,9 @@ def test_resumed_batches_equal_the_uninterrupted_run(
 
     uninterrupted = batches_of(make(0))
     with make(workers[0]) as first:
-        taken = batches_of(first, limit=break_at)
-        state = json.loads(json.dumps(first.state_dict()))
+        saved: list[dict[str, Any]] = []
+        taken = batches_of(first, limit=break_at, saved=saved)
+        state = saved[0]
     with make(workers[1]) as second:
         second.load_state_dict(state)
         assert taken + batches_of(second) == uninterrupted
@@ -83,15 +89,18 @@ def test_recordio_resumes_exactly(tmp_path_factory: object, break_at: int, worke
 
     uninterrupted = batches_of(make(0))
     with make(workers) as first:
-        taken = batches_of(first, limit=break_at)
-        state = first.state_dict()
+        saved: list[dict[str, Any]] = []
+        taken = batches_of(first, limit=break_at, saved=saved)
+        state = saved[0]
     with make(0) as second:
         second.load_state_dict(state)
         assert taken + batches_of(second) == uninterrupted
 
 
-def indices_in_lockstep(loaders: list[aioloader.Loader], steps: int | None) -> list[int]:
-    """Step all ranks together, as distributed training does; the indices they took."""
+def indices_in_lockstep(loaders: list[aioloader.Loader], steps: int | None,
+                        saved: list[dict[str, Any]] | None = None) -> list[int]:
+    """Step all ranks together, as distributed training does; the indices they took. Every
+    rank's state after the last step goes in `saved`, taken before the passes close."""
     seen = []
     iterators = [iter(loader) for loader in loaders]
     step = 0
@@ -102,6 +111,8 @@ def indices_in_lockstep(loaders: list[aioloader.Loader], steps: int | None) -> l
         assert all(b is not None for b in batches), "ranks ran out at different steps"
         seen += [int(i) for b in batches for i in b["index"]]
         step += 1
+    if saved is not None:
+        saved += [loader.state_dict() for loader in loaders]
     for it in iterators:
         it.close()  # type: ignore[attr-defined]
     return seen
@@ -131,9 +142,10 @@ def test_elastic_resume_on_another_world_size_skips_nothing(
 
     first = ranks(before)
     steps = min(steps, len(first[0]) - 1)  # break off before the epoch ends
-    taken = indices_in_lockstep(first, steps)
-    state = first[-1].state_dict()  # any rank's state resumes every rank
-    assert all(loader.state_dict() == state for loader in first)
+    states: list[dict[str, Any]] = []
+    taken = indices_in_lockstep(first, steps, states)
+    state = states[-1]  # any rank's state resumes every rank
+    assert all(saved == state for saved in states)
     second = ranks(after)
     for loader in second:
         loader.load_state_dict(state)
@@ -151,8 +163,8 @@ def saved_after(loader: aioloader.Loader, batches: int) -> dict[str, object]:
     """The loader's state after `batches` batches, as it will be stored: through JSON."""
     for taken, _ in enumerate(loader, 1):
         if taken == batches:
-            break
-    return dict(json.loads(json.dumps(loader.state_dict())))
+            return dict(json.loads(json.dumps(loader.state_dict())))
+    raise AssertionError(f"the epoch ended before {batches} batches")
 
 
 def test_a_state_of_another_dataset_with_a_file_fewer_is_refused_naming_what_differs(
@@ -207,3 +219,25 @@ def test_a_tar_state_resumed_over_the_shards_in_another_order_is_refused(
                        match=r"samples 50, now 30; units 4, now 3; unit_sizes "):
         make(shards[:3]).load_state_dict(state)
     make(shards).load_state_dict(state)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_len_after_load_state_dict_is_the_batches_the_resumed_pass_gives(
+    local_paths: list[str], world_size: int
+) -> None:
+    """Progress bars and schedulers read len() after a resume: it is what the pass gives."""
+    def ranks() -> list[aioloader.Loader]:
+        return [aioloader.Loader(aioloader.Files(local_paths), decode=index_and_noise,
+                                 batch_size=3, shuffle=True, seed=2, num_workers=0,
+                                 rank=rank, world_size=world_size)
+                for rank in range(world_size)]
+
+    first = ranks()
+    whole = len(first[0])
+    states: list[dict[str, Any]] = []
+    indices_in_lockstep(first, 4, states)
+    for loader in ranks():
+        loader.load_state_dict(states[0])
+        assert len(loader) == whole - 4
+        assert len(loader) == len(list(loader))
+        assert len(loader) == whole  # the next epoch, whole

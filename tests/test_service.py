@@ -117,15 +117,19 @@ def test_a_break_then_a_new_pass_and_the_state_match_the_callers_process(
                               shuffle=True, service=service) as loader:
             for n, _ in enumerate(loader):
                 if n == 3:
+                    state = loader.state_dict()
                     break
-            state = loader.state_dict()
-            again = [_plain(b) for b in loader]  # a new pass starts the epoch over
+            after = loader.state_dict()
+            again = [_plain(b) for b in loader]  # a new pass starts the next epoch
             loader.load_state_dict(state)
             loader.set_epoch(state["epoch"])  # as a training loop does when it resumes
+            left = len(loader)
             resumed = [_plain(b) for b in loader]
-            seen[service] = (state, again, resumed, loader.state_dict(), len(loader))
+            seen[service] = (state, after, again, left, resumed, loader.state_dict())
     assert seen[None] == seen["process"]
-    assert seen[None][0]["position"] == 20
+    state, after, again, left, resumed, _ = seen[None]
+    assert state["position"] == 20 and (after["epoch"], after["position"]) == (1, 0)
+    assert left == len(resumed) == 20 - 4
 
 
 def test_async_for_awaits_the_service_in_the_callers_loop(urls: list[str]) -> None:

@@ -228,8 +228,8 @@ def test_a_pass_resumed_inside_its_first_piece_gives_the_rest_in_order(
     for batch in first:
         taken += [int(x) for x in batch]
         if len(taken) == 4 * break_at:
+            state = first.state_dict()
             break
-    state = first.state_dict()
     second = make(aioloader.TarShards(pattern, shuffle_buffer=40))
     second.load_state_dict(state)
     assert taken + labels_of(second) == whole

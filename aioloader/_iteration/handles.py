@@ -69,11 +69,6 @@ class Handle(ABC):
 
     @property
     @abstractmethod
-    def finished(self) -> bool:
-        """The pass handed its last batch over."""
-
-    @property
-    @abstractmethod
     def goes_on(self) -> bool:
         """After `next` raised: the pass goes on with the next batch (one batch failed, as a
         DataLoader goes on after an error a worker re-raised); else it is over."""
@@ -138,10 +133,6 @@ class LocalHandle(Handle):
     @property
     def position(self) -> int:
         return self._pass.position
-
-    @property
-    def finished(self) -> bool:
-        return self._pass.finished
 
     @property
     def goes_on(self) -> bool:
@@ -246,10 +237,6 @@ class ServiceHandle(Handle):
     @property
     def position(self) -> int:
         return self._position
-
-    @property
-    def finished(self) -> bool:
-        return self._finished
 
     @property
     def goes_on(self) -> bool:

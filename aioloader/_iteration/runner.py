@@ -7,7 +7,6 @@ when the Runner is made; nothing else branches on where passes run.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -24,8 +23,8 @@ class Position:
 
     epoch: int = 0
     position: int = 0
-    """Where the last pass stood: the global position in the epoch's order (map-style data),
-    or the items this rank handed over (streams)."""
+    """Where the running pass began: the global position in the epoch's order (map-style
+    data), or the items this rank had handed over (streams); 0 between passes."""
     resume_at: int | None = None
     """Where the next pass starts, set by `load_state_dict`; None: the epoch's beginning."""
     remaining: Intervals | None = None
@@ -38,10 +37,17 @@ class Position:
             return Position(self.epoch)
         return Position(self.epoch, self.resume_at, None, self.remaining)
 
-    def ended(self, finished: bool, position: int) -> Position:
-        if finished:
-            return Position(self.epoch + 1)
-        return dataclasses.replace(self, position=position)
+    def ended(self) -> Position:
+        """Where a pass leaves the Loader, whether it finished or was broken off: at the next
+        epoch's beginning, so a new `iter()` starts a new order, as DataLoader's does (a
+        `break`, `zip(range(n), loader)`, Lightning's `limit_train_batches`), and
+        `state_dict()` says so. To resume mid-epoch, save `state_dict()` inside the loop."""
+        return Position(self.epoch + 1)
+
+    @property
+    def start(self) -> int:
+        """Where the next pass starts (the running one started), in the units of `position`."""
+        return self.resume_at if self.resume_at is not None else self.position
 
     def at_epoch(self, epoch: int) -> Position:
         """The beginning of `epoch`; a resume point in that same epoch is kept, as a training
@@ -140,7 +146,7 @@ class Runner:
         with self._lock:
             if self._handle is not handle:
                 return
-            self._at = self._at.ended(handle.finished, handle.position)
+            self._at = self._at.ended()
             self._handle = None
             self._ended.notify_all()
 

@@ -1,6 +1,7 @@
 """A Loader's loader service, from this side: what travels to it (the configuration, pickled
-once), the client, started on first use and kept until close, and the warm-up that starts
-what the first pass needs while the caller builds the rest of the job."""
+when the Loader is built and again as each pass starts), the client, started on first use and
+kept until close, and the warm-up that starts what the first pass needs while the caller
+builds the rest of the job."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class ServiceHolder(ProcessBound):
     def __init__(self) -> None:
         super().__init__()
         self.code = b""
-        """The configuration, pickled when the Loader was built."""
+        """The configuration, pickled when the Loader was built, then as the last pass began."""
+        self._passes = 0
         self.fingerprint = ""
         """For a node's service: what every rank with the same Loader computes alike."""
         self.packages: list[str] = []
@@ -69,10 +71,18 @@ class ServiceHolder(ProcessBound):
                          daemon=True).start()
 
     def start(self, config: LoaderConfig) -> ServiceClient:
-        """The service's client, the service started (again, if it was lost) if need be."""
+        """The service's client for a pass about to begin, the service started (again, if it
+        was lost) if need be. The pass takes the dataset as it is now, as each pass of a
+        DataLoader's workers does: a process service whose configuration pickles otherwise now
+        (an attribute set, items appended) is replaced. With `persistent_workers`, as
+        DataLoader's persistent workers keep theirs, only the first pass looks."""
         with self._lock:
             if self._closed:
                 raise LoaderError("this Loader is closed; build a new one")
+            self._passes += 1
+            if config.service == "process" and (self._passes == 1
+                                                or not config.persistent_workers):
+                self._take_dataset_as_now(config)
             if self._client is not None and self._client.broken is not None:
                 self._client.close()
                 self._client = None
@@ -82,6 +92,15 @@ class ServiceHolder(ProcessBound):
                 ) if config.service == "node" else ServiceClient.spawn(
                     self.code, self.packages, config.stall_timeout)
             return self._client
+
+    def _take_dataset_as_now(self, config: LoaderConfig) -> None:
+        code = dumps(config)
+        if code != self.code:
+            self.code = code
+            if self._client is not None:  # its last stats stay, as when it closes
+                self._last = self._client.last_stats or self._last
+                self._client.close()
+                self._client = None
 
     def stats(self, here: LoaderStats) -> LoaderStats:
         """The service's stats (asked for while a pass runs, else as the last pass left them),
