@@ -18,6 +18,7 @@ import numpy as np
 from ._cache import SharedCache
 from ._collate import default_collate
 from ._datasets import Dataset, Stream
+from ._datasets.torchiter import FromTorchIterable
 from ._worker.decode import takes_rng
 from .storage._diskcache import DEFAULT_LIMIT as DEFAULT_DISK_CACHE_LIMIT
 from .storage._limits import DEFAULT_MAX_OBJECT_BYTES
@@ -98,6 +99,8 @@ class LoaderConfig:
                 0 <= self.rank < self.world_size):
             raise ValueError(f"rank must be in 0..{self.world_size - 1}, got {self.rank}")
         RetryPolicy(self.retries, self.timeout)  # validates both
+        if isinstance(dataset, FromTorchIterable):
+            self._check_iterable()
         if isinstance(dataset, Stream):
             dataset.check_batching(self.batch_size, self.ordered)
         else:
@@ -112,6 +115,16 @@ class LoaderConfig:
                 raise ValueError("decode= feeds the cache, so it must not be random: move the "
                                  "random part into augment=(value, rng)")
         self._check_service()
+
+    def _check_iterable(self) -> None:
+        """An IterableDataset orders and divides itself, in the decode processes of its own
+        rank, as with DataLoader."""
+        if self.shuffle:
+            raise ValueError("an IterableDataset orders its items itself: shuffle=True does not "
+                             "apply (DataLoader refuses it too); shuffle inside the dataset")
+        if self.service == "node" or self.has_executor:
+            raise ValueError("an IterableDataset is iterated in its own rank's decode "
+                             "processes: use service='process' or None, without executor=")
 
     def _check_service(self) -> None:
         if self.service not in (None, "process", "node"):

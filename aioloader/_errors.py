@@ -143,3 +143,8 @@ class DecodeTimeoutError(LoaderError, RuntimeError):
 class StallError(LoaderError, RuntimeError):
     """Nothing was read, decoded or handed over for `stall_timeout` seconds while the loader
     waited; names the stage that holds it."""
+
+
+class Exhausted(Exception):
+    """An iterator read in a decode process (an IterableDataset's copy) has no more items: not
+    an error, the end of that worker's share of the epoch."""

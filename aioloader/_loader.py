@@ -26,6 +26,7 @@ from ._collate import default_collate
 from ._config import DEFAULT_MEMORY_LIMIT, LoaderConfig, Service, check_count, default_service
 from ._datasets import Dataset, Stream
 from ._datasets.indexed import IndexedStream
+from ._datasets.torchiter import FromTorchIterable
 from ._errors import LoaderError
 from ._iteration.handles import AsyncIteration, Iteration
 from ._iteration.runner import Position, Runner
@@ -284,6 +285,10 @@ class Loader(Closing, AsyncClosing):
                                   config.shuffle, config.drop_last)
                 remaining = self.dataset.state_after(saved, position)
         elif isinstance(self.dataset, Stream):
+            if isinstance(self.dataset, FromTorchIterable) and position:
+                raise LoaderError(
+                    "an IterableDataset resumes only at an epoch's start: its place is in its "
+                    f"iterators, which the loader cannot move (position {position} was saved)")
             if state.get("world_size") != self.world_size:
                 raise LoaderError(
                     f"this stream's state was saved with world size {state.get('world_size')}; "

@@ -1,12 +1,15 @@
-"""`from_torch`: a map-style PyTorch Dataset (or anything with `__len__` and `__getitem__`) as a
-source for the Loader, its `__getitem__` run in the decode processes."""
+"""`from_torch`: a PyTorch Dataset as a source for the Loader. A map-style one (or anything with
+`__len__` and `__getitem__`) has its `__getitem__` run in the decode processes; an
+IterableDataset is iterated there, a copy per process (`torchiter`)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from .base import Dataset
+from .torchiter import FromTorchIterable
 
 
 class FromTorch(Dataset):
@@ -19,8 +22,8 @@ class FromTorch(Dataset):
     def __init__(self, dataset: Any, io_threads: int = 1) -> None:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
-                "from_torch takes a map-style dataset (__len__ and __getitem__), got "
-                f"{type(dataset).__name__}; for an IterableDataset write an aioloader.Stream"
+                "from_torch takes a map-style dataset (__len__ and __getitem__) or an "
+                f"IterableDataset (__iter__), got {type(dataset).__name__}"
             )
         if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
             raise ValueError(f"io_threads must be an integer >= 1, got {io_threads!r}")
@@ -39,12 +42,24 @@ class FromTorch(Dataset):
     async def fetch_many(self, indices: Sequence[int]) -> list[Any]:
         return list(indices)
 
+    def load(self, index: int) -> Any:
+        """The sample, in a decode process, from its copy (`self.dataset`, which
+        `get_worker_info().dataset` is there)."""
+        return self.dataset[index]
+
     def load_in_workers(self) -> tuple[Callable[[Any], Any], int]:
-        return self.dataset.__getitem__, self.io_threads
+        return self.load, self.io_threads
 
 
-def from_torch(dataset: Any, io_threads: int = 1) -> FromTorch:
-    """A map-style `torch.utils.data.Dataset` as a source for `aioloader.Loader`.
+def from_torch(dataset: Any, io_threads: int = 1) -> FromTorch | FromTorchIterable:
+    """A `torch.utils.data.Dataset` as a source for `aioloader.Loader`.
+
+    An `IterableDataset` is iterated in the decode processes, a copy in each, as DataLoader's
+    workers do: `torch.utils.data.get_worker_info()` there gives the process's id among
+    `num_workers`, so a dataset that shards by it reads every item once, and batches come
+    worker by worker in turn (DataLoader's order). It is iterated anew at each pass; it is not
+    shuffled, divided among ranks or resumed mid-epoch by the loader (it does that itself, as
+    with DataLoader). `io_threads` does not apply to it.
 
     `__getitem__` runs in the decode processes; batches equal those of
     `DataLoader(dataset, batch_size=..., shuffle=False)` (as numpy arrays;
@@ -62,4 +77,16 @@ def from_torch(dataset: Any, io_threads: int = 1) -> FromTorch:
     (paths, URLs, labels: hundreds of MB for ImageNet), and a copy per thread of each process
     would multiply that memory by `io_threads`.
     """
+    if _iterable(dataset):
+        return FromTorchIterable(dataset)
     return FromTorch(dataset, io_threads)
+
+
+def _iterable(dataset: Any) -> bool:
+    """An IterableDataset (torch's, an IterDataPipe), or anything iterable that cannot be
+    indexed. torch's IterableDataset inherits a `__getitem__` that raises, so it is asked by
+    type when torch is loaded."""
+    torch_data = sys.modules.get("torch.utils.data")
+    if torch_data is not None and isinstance(dataset, torch_data.IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not hasattr(dataset, "__getitem__")

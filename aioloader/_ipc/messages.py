@@ -55,6 +55,9 @@ class Chunk:
     layout: Layout | None = None
     """A part after the first: where the batch's arrays lie in the lent block (the first
     part's `ChunkResult.layout`), by their place in a sample."""
+    worker: int | None = None
+    """An IterableDataset's chunk: the decode process (its worker id) whose iterator it
+    continues; None: any process."""
     on_send: Callable[[Chunk], None] | None = field(default=None, repr=False, compare=False)
     """Called as the chunk goes to a decode process, and not sent with it: the pass lends the
     chunk its block then, not while the chunk waits for a process, so that blocks freed
@@ -92,6 +95,8 @@ class ChunkResult:
     layout: Layout | None = None
     """The first part of a pass's first chunk: where each array of the batch lies in the
     block, with a row for every sample of the chunk."""
+    exhausted: bool = False
+    """An IterableDataset's chunk: the worker's iterator ran out while filling it."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for the main process: tensor views travel as their own elements."""

@@ -22,6 +22,7 @@ from .._closing import ProcessBound
 from .._collate import default_collate
 from .._config import LoaderConfig
 from .._datasets import Dataset, Stream
+from .._datasets.torchiter import FromTorchIterable
 from .._errors import LoaderError
 from .._ipc import shm
 from .._ipc.transport import BlockPool
@@ -37,7 +38,7 @@ from ..storage._hedge import Hedger
 from ..storage._storage import Storage
 from . import autotune
 from .budget import MemoryBudget, ReadAhead
-from .feeds import PlannedSource, StreamSource
+from .feeds import IterableSource, PlannedSource, StreamSource
 from .pipeline import Pass, PassConfig
 
 UNBATCHED_CHUNK = 16
@@ -91,12 +92,15 @@ class PassFactory:
                                     if c is not None]
         self.stats.source_shares = getattr(dataset, "shares", None)
         self.executor = executor
-        load, threads = (None, 1) if isinstance(dataset, Stream) else (
-            dataset.load_in_workers() or (None, 1))
+        load, threads = (dataset.load_in_workers() if isinstance(dataset, FromTorchIterable)
+                         else (None, 1) if isinstance(dataset, Stream)
+                         else dataset.load_in_workers() or (None, 1))
         self.stats.load_threads = threads if load is not None else 0
         self.spec = DecodeSpec(
             config.decode, config.collate if config.batch_size else None, config.skip_errors,
             config.seed, config.augment, config.cache, load, threads,
+            drop_partial=(isinstance(dataset, FromTorchIterable) and config.drop_last
+                          and config.batch_size is not None),
         )
         self.backend: BackendHolder | None = None
         if executor is not None:
@@ -171,7 +175,8 @@ class PassFactory:
         several and the batch is made by the default collate (which can be joined)."""
         workers = self.config.num_workers
         divisible = (self.config.batch_size and self.executor is None and workers > 1
-                     and self.spec.collate is default_collate and not self.nothing_to_decode())
+                     and self.spec.collate is default_collate and not self.nothing_to_decode()
+                     and not isinstance(self.config.dataset, FromTorchIterable))  # per worker
         return workers if divisible else 1
 
     # -- a pass ------------------------------------------------------------------------------
@@ -201,8 +206,11 @@ class PassFactory:
             reads = autotune.ReadLimit(self.concurrency)
             connections = autotune.HIGHEST if config.auto_concurrency else self.concurrency
             storage = self.new_storage(connections)
-        source: PlannedSource | StreamSource
-        if isinstance(dataset, Stream):
+        source: PlannedSource | StreamSource | IterableSource
+        if isinstance(dataset, FromTorchIterable):
+            source = IterableSource(dataset, max(config.num_workers, 1),
+                                    config.batch_size or 1, pass_config.steps_per_chunk)
+        elif isinstance(dataset, Stream):
             source = StreamSource(
                 dataset, start, config.batch_size or 1, pass_config.steps_per_chunk,
                 not (config.drop_last and config.batch_size), stats,

@@ -3,13 +3,17 @@
 `PlannedSource` (map-style data) walks the epoch's plan and reads samples ahead of the batches
 being decoded, as far as the budget allows (bytes held, samples ahead), with at most
 `concurrency` reads in flight: a slow read delays its own batch, not the reads after it.
-`StreamSource` pulls a stream's items one after another. Both hand complete chunks on to the
-decode stage and report the oldest read in flight to the watchdog.
+`StreamSource` pulls a stream's items one after another. `IterableSource` reads nothing: each
+decode process fills its chunks from its own copy of an IterableDataset. Each hands complete
+chunks on to the decode stage and reports the oldest read in flight to the watchdog.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -53,6 +57,10 @@ class Pending:
     failure: BaseException | None = None
     """With on_error="raise": the failure of the earliest sample that failed."""
     failed_at: int = -1
+    worker: int | None = None
+    """An IterableDataset's chunk: the decode process whose iterator fills it."""
+    on_exhausted: Callable[[], None] | None = None
+    """Called if that iterator ran out while filling it."""
 
 
 class Work(Protocol):
@@ -316,3 +324,59 @@ class StreamSource:
         if self._pulling_since is None:
             return None
         return now() - self._pulling_since, f"the stream's item {self._count}"
+
+
+class IterableSource:
+    """An IterableDataset (`from_torch`): nothing is read here. Each decode process iterates its
+    own copy, as a DataLoader worker does; the pass's chunks go to the workers in turn (chunk k
+    to the k-th live one, cycling), each filled from its worker's iterator (its raw items are
+    the pass's ticket, which names the iterator), so batches come in DataLoader's order. A
+    worker whose iterator ran out gets no more; the feed ends when all have."""
+
+    def __init__(self, stream: Stream, workers: int, step_size: int, steps_per_chunk: int
+                 ) -> None:
+        self.stream = stream
+        self._workers = workers
+        self._live = set(range(workers))
+        self._next = 0
+        self._ticket = int.from_bytes(os.urandom(7), "little")
+        self._chunk_size = step_size * steps_per_chunk
+        self._step_size = step_size
+        self._steps_per_chunk = steps_per_chunk
+        self._count = 0
+
+    def position(self, steps_done: int) -> int:
+        return steps_done * self._step_size
+
+    def key(self, pending: Pending, position: int) -> str:
+        assert pending.first_item is not None
+        return self.stream.key(None, pending.first_item + position) + (
+            f" of worker {pending.worker}")
+
+    async def feed(self, work: Work) -> None:
+        step = 0
+        while (worker := self._turn()) is not None:
+            await work.room()
+            if worker not in self._live:  # it ran out while this waited
+                continue
+            ran_out = functools.partial(self._live.discard, worker)
+            pending = Pending(step, self._steps_per_chunk,
+                              list(range(self._count, self._count + self._chunk_size)),
+                              [self._ticket] * self._chunk_size, first_item=self._count,
+                              worker=worker, on_exhausted=ran_out)
+            self._count += self._chunk_size
+            step += self._steps_per_chunk
+            work.reading(pending, self._chunk_size)
+            work.complete(pending)
+
+    def _turn(self) -> int | None:
+        """The next live worker in turn, None when none is left."""
+        for offset in range(self._workers):
+            worker = (self._next + offset) % self._workers
+            if worker in self._live:
+                self._next = worker + 1
+                return worker
+        return None
+
+    def oldest_read(self) -> tuple[float, str] | None:
+        return None

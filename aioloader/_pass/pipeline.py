@@ -480,6 +480,8 @@ class Pass:
                               if parts > 1 and self._blocks is not None
                               else self._decode_part(pending, kept))
         in_heap = 0 if result.shared else held
+        if result.exhausted and pending.on_exhausted is not None:
+            pending.on_exhausted()
         failure = self._failure_of(pending, kept, result)
         if failure is not None:
             return Failed(failure), held, in_heap
@@ -489,8 +491,8 @@ class Pass:
         decoded = iter(result.items)
         skipped = {kept[position] for position, _ in result.skipped}
         skipped.update(n for n, raw in enumerate(pending.raws) if raw is SKIPPED)
-        return ([EMPTY if n in skipped else next(decoded) for n in range(pending.steps)],
-                held, in_heap)
+        return ([EMPTY if n in skipped else next(decoded, EMPTY) for n in range(pending.steps)],
+                held, in_heap)  # (fewer items: an IterableDataset's worker ran out)
 
     async def _decode_part(self, pending: Pending, positions: list[int], here: bool = False
                            ) -> tuple[ChunkResult, int]:
@@ -596,7 +598,7 @@ class Pass:
                   first_row: int = 0, layout: Layout | None = None) -> Chunk:
         return Chunk(self.config.epoch, [pending.indices[n] for n in positions],
                      [pending.raws[n] for n in positions], slot, pending.first_step, rows=rows,
-                     first_row=first_row, layout=layout)
+                     first_row=first_row, layout=layout, worker=pending.worker)
 
     async def _run(self, chunk: Chunk) -> ChunkResult:
         """Decode a chunk already lent its block (if any); a block of a chunk that failed is

@@ -199,6 +199,9 @@ class PoolDecoder:
         """Told of each chunk whose result came after its pass gave up on it."""
         self._let_go = False
         self._decoded_any = False
+        self._iterating = False
+        """Chunks went to chosen workers (an IterableDataset's): a process that ends takes its
+        iterator's place with it, so the pass cannot go on."""
         self._starting = self._loop.create_task(self._start(), name="aioloader-pool-start")
 
     async def _start(self) -> None:
@@ -248,24 +251,36 @@ class PoolDecoder:
         one among its ranks), a process still starting counts as a candidate that is not
         ready yet: a chunk waits for it rather than queueing behind a busy one, so the first
         chunks (a divided first batch) go to every process at once. Later (a process replaced
-        after a crash), the ready ones keep two chunks each."""
+        after a crash), the ready ones keep two chunks each. A chunk for one worker (an
+        IterableDataset's) waits for that process, and the chunks after it may go first."""
         live = [p for p in self._pool.processes
                 if p.alive and not p.retired and (p.ready or not self._decoded_any)]
+        held_back = []
         while self._waiting and live:
-            process = min(live, key=lambda p: (len(self._assigned.setdefault(p.id, deque())),
-                                                not p.ready))
-            queue = self._assigned[process.id]
-            if len(queue) >= PER_PROCESS or not process.ready:
-                return
-            job = heapq.heappop(self._waiting)[3]
+            entry = heapq.heappop(self._waiting)
+            job = entry[3]
             if job.future.done():
                 continue  # its batch was given up on
+            worker = job.chunk.worker
+            fit = [p for p in live if worker is None or p.id == worker]
+            process = min(fit, key=lambda p: (len(self._assigned.setdefault(p.id, deque())),
+                                              not p.ready), default=None)
+            queue = self._assigned[process.id] if process is not None else deque()
+            if process is None or len(queue) >= PER_PROCESS or not process.ready:
+                held_back.append(entry)
+                if worker is None:
+                    break
+                continue
+            if worker is not None:
+                self._iterating = True
             if not queue:
                 job.started = now()
             queue.append(job)
             if job.chunk.on_send is not None:
                 job.chunk.on_send(job.chunk)
             process.send(Task(job.id, job.chunk))
+        for entry in held_back:
+            heapq.heappush(self._waiting, entry)
 
     def _on_message(self, process: DecodeProcess, message: object) -> None:
         if process.retired or process is not self._pool.processes[process.id]:
@@ -313,6 +328,12 @@ class PoolDecoder:
         jobs = list(self._assigned.pop(process.id, ()))
         status = await off_loop(self._pool.exit_status, process, STATUS_WAIT)
         cause = describe_exit(status)
+        if self._iterating:
+            self._fail(WorkerDiedError(
+                f"{process} ended ({cause}) while it iterated its copy of the IterableDataset: "
+                "where its iterator stood is lost with it, so this pass cannot go on without "
+                "repeating or losing items"), jobs)
+            return
         failure = self.recovery.worker_lost(
             str(process), cause, jobs[0].chunk.indices if jobs else [],
             f"restarted it and sent its {len(jobs)} chunk(s) again")

@@ -24,7 +24,7 @@ from .._collate import (
     default_collate,
     scalar_dtype,
 )
-from .._errors import type_name
+from .._errors import Exhausted, type_name
 from .._ipc import transport
 from .._ipc.messages import Chunk, ChunkResult, Layout
 from .._sampling import sample_rng
@@ -119,6 +119,9 @@ class DecodeSpec:
     """Run on each raw item before decode, in this process: datasets read here (from_torch)."""
     threads: int = 1
     """Samples of a chunk loaded and decoded at once: blocking reads in `load` overlap."""
+    drop_partial: bool = False
+    """An IterableDataset with drop_last: a chunk its worker's iterator ran out in is dropped
+    if short, as DataLoader drops a worker's last, short batch."""
     wants_rng: bool = field(init=False)
     augment_wants_rng: bool = field(init=False)
 
@@ -175,6 +178,13 @@ def run_chunk(
     position = -1  # counted here: enumerate's reused tuple would hold the last sample
     for outcome in [] if spec.passes_through else _outcomes(spec, chunk):
         position += 1
+        if isinstance(outcome, _Exhausted):
+            result.exhausted = True
+            if spec.drop_partial:  # short of a batch: none
+                samples, rows = [], None
+                if allocate is not None:
+                    allocate.discard()
+            break
         if isinstance(outcome, _Failure):
             if not spec.skip_errors:
                 result.failure = (chunk.indices[position], outcome.reason, outcome.traceback,
@@ -443,10 +453,21 @@ def failure(index: int | None, error: Exception) -> tuple[int | None, str, str, 
     return index, one_line(error), traceback.format_exc(), type_name(error)
 
 
-def _one(spec: DecodeSpec, epoch: int, index: int, raw: Any) -> tuple[Any, float, float] | _Failure:
+class _Exhausted:
+    """What `_one` gives once an IterableDataset's iterator ran out: the chunk ends there."""
+
+
+EXHAUSTED = _Exhausted()
+Outcome = tuple[Any, float, float] | _Failure | _Exhausted
+"""A sample with when its decode started and ended, why it failed, or the end of the data."""
+
+
+def _one(spec: DecodeSpec, epoch: int, index: int, raw: Any) -> Outcome:
     started = now()
     try:
         sample = spec.sample(epoch, index, raw)
+    except Exhausted:
+        return EXHAUSTED
     except Exception as e:
         return _Failure(one_line(e), traceback.format_exc(), type_name(e))
     return sample, started, now()
@@ -461,14 +482,14 @@ CHEAP_SECONDS = 0.001
 TRIAL = 4
 
 
-def _outcomes(spec: DecodeSpec, chunk: Chunk) -> Iterator[tuple[Any, float, float] | _Failure]:
+def _outcomes(spec: DecodeSpec, chunk: Chunk) -> Iterator[Outcome]:
     """Each sample of the chunk, or why it failed, as it is made (so that a caller keeping
     one at a time holds one); on `spec.threads` threads when more than one and samples are
     not cheap, so that blocking reads in `load` overlap (results keep the chunk's order)."""
     global _cheap
     jobs = list(zip(chunk.indices, chunk.raws, strict=True))
 
-    def run(job: tuple[int, Any]) -> tuple[Any, float, float] | _Failure:
+    def run(job: tuple[int, Any]) -> Outcome:
         return _one(spec, chunk.epoch, *job)
 
     if spec.threads <= 1 or len(jobs) <= 1 or _cheap:
@@ -476,7 +497,7 @@ def _outcomes(spec: DecodeSpec, chunk: Chunk) -> Iterator[tuple[Any, float, floa
     if _worker_info is None:  # inline (num_workers=0): no thread outlives the chunk
         with ThreadPoolExecutor(spec.threads, thread_name_prefix="aioloader-load") as inline:
             return iter(list(inline.map(run, jobs)))
-    done: Iterable[tuple[Any, float, float] | _Failure] = ()
+    done: Iterable[Outcome] = ()
     if _cheap is None:
         started = now()
         done = [run(job) for job in jobs[:TRIAL]]

@@ -55,7 +55,8 @@ def _start(init: Init) -> DecodeSpec:
     set_worker_info(WorkerInfo(init.worker_id, init.num_workers, seed))
     spec: DecodeSpec
     spec, worker_init = pickle.loads(init.code)
-    info = WorkerInfo(init.worker_id, init.num_workers, seed, getattr(spec.load, "__self__", None))
+    reader = getattr(spec.load, "__self__", None)  # from_torch's wrapper: `.dataset` is the copy
+    info = WorkerInfo(init.worker_id, init.num_workers, seed, getattr(reader, "dataset", None))
     set_worker_info(info)
     torch = sys.modules.get("torch")
     if torch is not None:
