@@ -68,7 +68,8 @@ def default_collate(samples: Sequence[Any], allocate: Allocate | None = None) ->
 
     if (isinstance(first, Sequence) and not hasattr(first, "_fields")
             and any(len(s) != len(first) for s in samples)):
-        raise ValueError("each sample in a batch must have the same number of fields")
+        raise RuntimeError("each sample in a batch must have the same number of fields "
+                           "(torch's default_collate raises a RuntimeError too)")
     collated = by_field(samples, lambda part: default_collate(part, allocate))
     if collated is NotImplemented:
         raise TypeError(

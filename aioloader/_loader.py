@@ -9,8 +9,10 @@ plain `for`. A Loader runs one pass at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sized
 from concurrent.futures import Executor
 from pathlib import Path
@@ -181,6 +183,7 @@ class Loader(Closing, AsyncClosing):
 
     def _start(self, config: LoaderConfig, executor: object) -> None:
         self.config = config
+        _warn_if_more_workers_than_cpus(config.num_workers)
         self._factory = factory = PassFactory(config, executor)
         self._service = service = ServiceHolder()
         if config.num_workers and executor is None:
@@ -189,6 +192,16 @@ class Loader(Closing, AsyncClosing):
         self._finalizer = reaper.Shutdown(self, functools.partial(_shut_down, factory, service))
 
     # -- settings (read-only: `config` holds them all) ---------------------------------------
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Settings are fixed when the Loader is built (its processes and service took them):
+        setting one later raises, as DataLoader's does (ValueError), rather than changing
+        nothing; also an AttributeError, as for any read-only attribute."""
+        if name in _SETTINGS and "config" in self.__dict__:
+            raise _FixedSetting(
+                f"{name} cannot be set once the Loader is built: its settings are fixed. Build "
+                f"another: Loader.from_config(dataclasses.replace(loader.config, {name}=...))")
+        super().__setattr__(name, value)
 
     @property
     def dataset(self) -> Dataset | Stream:
@@ -344,6 +357,25 @@ class Loader(Closing, AsyncClosing):
         """close() for async code: a pass running in this loop is closed in it, and the decode
         processes are stopped and joined on another thread, never blocking the loop."""
         await off_loop(self.close)
+
+
+class _FixedSetting(ValueError, AttributeError):
+    """A setting assigned after the Loader was built."""
+
+
+_SETTINGS = frozenset({"config", *(field.name for field in dataclasses.fields(LoaderConfig))})
+"""What `Loader.__setattr__` refuses to change once the Loader is built."""
+
+
+def _warn_if_more_workers_than_cpus(num_workers: int) -> None:
+    """As DataLoader warns: more decode processes than CPUs this process may use."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cpus and num_workers > cpus:
+        warnings.warn(
+            f"num_workers={num_workers} decode processes, but this process may use {cpus} "
+            "CPUs: excessive worker creation might get the loader running slow or even freeze; "
+            "lower num_workers (reads are not tied to it: concurrency= sets those)",
+            UserWarning, stacklevel=4)
 
 
 def _shut_down(factory: PassFactory, service: ServiceHolder) -> None:

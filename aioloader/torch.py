@@ -55,8 +55,7 @@ class TorchLoader(Closing):
             )
 
     def __iter__(self) -> Iterator[Any]:
-        for batch in self.loader:
-            yield to_tensors(batch, self.pin_memory)
+        return _Tensors(iter(self.loader), self.pin_memory)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -73,6 +72,27 @@ class TorchLoader(Closing):
 
     def close(self) -> None:
         self.loader.close()
+
+
+class _Tensors:
+    """A pass's batches as tensors. An iterator, not a generator: a generator ends at its first
+    raise, and after a batch's error the next `next()` must go on, as with DataLoader."""
+
+    def __init__(self, batches: Iterator[Any], pin_memory: bool) -> None:
+        self._batches = batches
+        self._pin_memory = pin_memory
+
+    def __iter__(self) -> _Tensors:
+        return self
+
+    def __next__(self) -> Any:
+        return to_tensors(next(self._batches), self._pin_memory)
+
+    def close(self) -> None:
+        """Ends the pass now, as a `break` does."""
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()
 
 
 class _LoaderDataset(torch.utils.data.IterableDataset[Any]):

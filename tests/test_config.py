@@ -12,8 +12,10 @@ from aioloader._config import LoaderConfig
 
 def test_a_setting_cannot_change_after_the_loader_is_built(urls: list[str]) -> None:
     loader = aioloader.Loader(aioloader.Files(urls), batch_size=4, num_workers=0)
-    with pytest.raises(AttributeError):
-        loader.batch_size = None  # type: ignore[misc]
+    for name in ("batch_size", "drop_last", "dataset"):  # ValueError, as DataLoader's, too
+        with pytest.raises(AttributeError, match="fixed") as refused:
+            setattr(loader, name, None)
+        assert isinstance(refused.value, ValueError)
     with pytest.raises(dataclasses.FrozenInstanceError):
         loader.config.batch_size = None  # type: ignore[misc]
     assert loader.batch_size == loader.config.batch_size == 4

@@ -129,7 +129,7 @@ class Runner:
             self._at = at = self._at.started()
         config = self._factory.config
         return Opening(at.epoch, at.position, at.remaining, self._factory,
-                       lambda: self._service.start(config), self._pass_ended)
+                       lambda: self._service.start(config, for_a_pass=True), self._pass_ended)
 
     def _unreserve(self) -> None:
         with self._lock:

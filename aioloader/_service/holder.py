@@ -70,18 +70,20 @@ class ServiceHolder(ProcessBound):
         threading.Thread(target=_warm_up, args=(self, config), name="aioloader-warm-up",
                          daemon=True).start()
 
-    def start(self, config: LoaderConfig) -> ServiceClient:
-        """The service's client for a pass about to begin, the service started (again, if it
-        was lost) if need be. The pass takes the dataset as it is now, as each pass of a
-        DataLoader's workers does: a process service whose configuration pickles otherwise now
-        (an attribute set, items appended) is replaced. With `persistent_workers`, as
-        DataLoader's persistent workers keep theirs, only the first pass looks."""
+    def start(self, config: LoaderConfig, for_a_pass: bool = False) -> ServiceClient:
+        """The service's client, the service started (again, if it was lost) if need be.
+        `for_a_pass`: a pass is about to begin, and takes the dataset as it is now, as each
+        pass of a DataLoader's workers does: a process service whose configuration pickles
+        otherwise now (an attribute set, items appended) is replaced. With
+        `persistent_workers`, as DataLoader's persistent workers keep theirs, only the first
+        pass looks (the warm-up's start is none)."""
         with self._lock:
             if self._closed:
                 raise LoaderError("this Loader is closed; build a new one")
-            self._passes += 1
-            if config.service == "process" and (self._passes == 1
-                                                or not config.persistent_workers):
+            if for_a_pass:
+                self._passes += 1
+            if for_a_pass and config.service == "process" and (
+                    self._passes == 1 or not config.persistent_workers):
                 self._take_dataset_as_now(config)
             if self._client is not None and self._client.broken is not None:
                 self._client.close()
