@@ -77,6 +77,9 @@ class LoaderStats:
     """Seconds a finished batch waited in the prefetch queue for the consumer."""
     consumer_wait: Distribution = field(default_factory=Distribution)
     """Seconds the consumer waited for a batch."""
+    consumer_work: Distribution = field(default_factory=Distribution)
+    """Seconds the consumer spent between a batch and its next ask (its own step): with its
+    waits, the consumer's whole time, on its own clock."""
     concurrency: int = 0
     """Reads allowed in flight (chosen by the loader when concurrency="auto")."""
     stream: bool = False
@@ -151,7 +154,8 @@ class LoaderStats:
         """Which stage bounds the loader, and the knob to turn."""
         if not self.batches or self.busy_seconds <= 0:
             return "no batches yet"
-        waited = self.consumer_wait.total / self.busy_seconds
+        spent = self.consumer_wait.total + self.consumer_work.total
+        waited = self.consumer_wait.total / spent if spent > 0 else 1.0
         if waited < 0.1:
             return (
                 f"bound by the consumer: it waited for data {waited:.0%} of the time; the loader "
@@ -179,8 +183,8 @@ class LoaderStats:
             return (
                 f"bound by the stream: the loader waited for its next item "
                 f"{min(reads_share, 1):.0%} of the time; a stream is pulled one item at a time, "
-                "so concurrency does not help: the stream's own read-ahead is the limit (more "
-                "shards or files read at once, larger items)"
+                "so concurrency does not help: the stream's own read-ahead is the limit "
+                "(TarShards' shards_ahead, Parquet's row_groups_ahead; larger items)"
             )
         if reads_share > 0.5:
             return (
@@ -192,9 +196,9 @@ class LoaderStats:
             return (
                 f"bound by storage: reads take {self.fetch.percentile(50) * 1e3:.1f} ms (p50) "
                 f"with only {in_flight:.1f} of {self.concurrency} read slots in use on average: "
-                "the server answers slowly whatever the number of reads (saturated?), so more "
-                "concurrency will not help; read from a faster or nearer store, cache (cache_dir), "
-                "or read fewer, larger objects"
+                "each read is slow whatever the number in flight (a slow disk, or a slow or "
+                "saturated server), so more concurrency will not help; read from faster or "
+                "nearer storage, cache (cache_dir), or read fewer, larger objects"
             )
         return (
             f"bound by the event loop's own work: reads kept their slots {reads_share:.0%} "
@@ -204,7 +208,12 @@ class LoaderStats:
         )
 
     def __str__(self) -> str:
-        seconds = max(self.busy_seconds, 1e-9)
+        return self.report()
+
+    def report(self, seconds: float | None = None) -> str:
+        """The figures and the verdict; the rate over `seconds` (a caller's own clock, start-up
+        included), else over the seconds the passes ran."""
+        seconds = max(self.busy_seconds if seconds is None else seconds, 1e-9)
         lines = [
             f"{self.samples} samples in {self.batches} batches, {self.samples / seconds:.0f} "
             f"samples/s; {self.bytes_read / 1e6:.1f} MB in {self.requests} requests, "

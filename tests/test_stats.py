@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -73,3 +74,46 @@ def test_stats_travel_with_their_timeline(local_paths: list[str]) -> None:
     assert copy.decode.count == stats.decode.count == 20
     decode_boxes = [e for e in stats.events if e.row.startswith("decode ")]
     assert len(decode_boxes) == 5  # one box per chunk (a batch here), not per sample
+
+
+def test_bench_gives_one_rate_and_shares_within_the_whole() -> None:
+    """The report's rate is the epochs' together, on the bench's own clock (start-up
+    included), and no share in the verdict passes 100%."""
+    out = subprocess.run(
+        [sys.executable, "-m", "aioloader", "bench", str(DATA / "golden.rec"), "--epochs", "2",
+         "--num-workers", "1", "--batch-size", "4"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    epochs = [(float(rate), float(took)) for rate, took in
+              re.findall(r"epoch \d+: (\d+) samples/s in ([\d.]+) s", out)]
+    samples, overall = (int(n) for n in re.search(  # type: ignore[union-attr]
+        r"(\d+) samples in \d+ batches, (\d+) samples/s", out).groups())
+    assert len(epochs) == 2
+    assert overall == pytest.approx(samples / sum(took for _, took in epochs), rel=0.1, abs=5)
+    assert min(r for r, _ in epochs) - 1 <= overall <= max(r for r, _ in epochs) + 1
+    assert all(int(share) <= 100 for share in re.findall(r"(\d+)%", out))
+
+
+def test_the_consumers_wait_is_a_share_of_its_own_time() -> None:
+    """On the consumer's clock: waits and its own steps; never more than the whole (the issue
+    saw "waited 543% of the time" against the service's seconds)."""
+    stats = aioloader.LoaderStats(batches=10, busy_seconds=1.0)
+    stats.consumer_wait.add(0.5, 10)  # 5 s of waits in a pass the service timed at 1 s
+    stats.consumer_work.add(0.001, 9)
+    shares = [int(share) for share in re.findall(r"(\d+)%", stats.verdict())]
+    assert shares and all(share <= 100 for share in shares)
+
+
+def test_bench_reads_parquet_files_named_by_a_brace_pattern(tmp_path: Path) -> None:
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as parquet
+
+    for n in range(2):
+        table = pyarrow.table({"id": list(range(n * 10, n * 10 + 10))})
+        parquet.write_table(table, tmp_path / f"part-{n:04d}.parquet")
+    done = subprocess.run(
+        [sys.executable, "-m", "aioloader", "bench", str(tmp_path / "part-{0000..0001}.parquet"),
+         "--batch-size", "5", "--num-workers", "0"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "20 samples in 4 batches" in done.stdout

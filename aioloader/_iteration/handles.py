@@ -215,6 +215,7 @@ class ServiceHandle(Handle):
         self._ended = ended
         self._finished = False
         self._over = False
+        self._handed_at: float | None = None
 
     @classmethod
     def open(cls, opening: Opening) -> Handle:
@@ -261,6 +262,9 @@ class ServiceHandle(Handle):
         stats, arrived = self._stats, now()
         stats.batches += 1
         stats.consumer_wait.add(arrived - asked)
+        if self._handed_at is not None:
+            stats.consumer_work.add(asked - self._handed_at)
+        self._handed_at = arrived
         stats.event("consumer", asked, arrived, "wait")
         return item
 

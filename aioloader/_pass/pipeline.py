@@ -226,6 +226,7 @@ class Pass:
         asked = now()
         if self._handed_over_at is not None:
             stats.event("consumer", self._handed_over_at, asked, "step")
+            stats.consumer_work.add(asked - self._handed_over_at)
         while True:
             if waits:
                 self.hurry()

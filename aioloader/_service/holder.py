@@ -118,6 +118,7 @@ class ServiceHolder(ProcessBound):
             return here
         merged = load_stats(self._last)
         merged.batches, merged.consumer_wait = here.batches, here.consumer_wait
+        merged.consumer_work = here.consumer_work
         merged.raw_events = deque(
             sorted([e for e in merged.raw_events if e[0] != "consumer"] + list(here.raw_events),
                    key=lambda event: event[1]),
