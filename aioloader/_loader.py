@@ -262,6 +262,10 @@ class Loader(Closing, AsyncClosing):
         (`TarShards`, `Parquet`): the positions of the epoch's sequence no rank has taken yet.
         Both resume any rank at any world size. Other streams: the items this rank handed
         over, and the world size, which a resumed stream must keep.
+
+        It describes the running pass where it stands, else the next: once a pass ends,
+        finished or broken off, that is the next epoch's start. To resume mid-epoch, take it
+        inside the loop, before a `break`.
         """
         at, position = self._runner.at, self._runner.position
         state: dict[str, Any] = {"epoch": at.epoch, "position": position}
