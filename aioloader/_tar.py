@@ -25,6 +25,8 @@ pax header is parsed record by record on the event loop."""
 _METADATA = (tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE, tarfile.XGLTYPE)
 _KEY_AND_EXTENSION = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 """WebDataset's base_plus_ext: the key runs to the first dot of the file name."""
+_METADATA_NAME = re.compile(r"__[^/]*__($|/)")
+"""WebDataset's skip_meta: `__name__` at the top, and whatever is in a `__name__/` folder."""
 
 
 class TarFormatError(LoaderError):
@@ -162,8 +164,8 @@ def _pax_path(data: bytes, where: str, offset: int) -> str | None:
 
 def split_name(name: str) -> tuple[str, str] | None:
     """(key, lower-cased extension) by WebDataset's rules; None for files to pass over
-    (no extension, or a `__name__` metadata file at the top level)."""
-    if "/" not in name and name.startswith("__") and name.endswith("__"):
+    (no extension, or metadata: a `__name__` file or folder at the top level)."""
+    if _METADATA_NAME.match(name):
         return None
     match = _KEY_AND_EXTENSION.match(name)
     if match is None:

@@ -98,6 +98,7 @@ def test_files_are_grouped_by_webdataset_rules(tmp_path: Path) -> None:
     long_key = "deep/" * 30 + "sample"
     write_shard(tmp_path / "a.tar", [
         ("__index__", b"metadata, skipped"),
+        ("__meta__/x.txt", b"in a metadata folder: skipped, as WebDataset skips it"),
         ("x/one.JPG", b"j1"), ("x/one.seg.png", b"s1"), ("x/one.cls", b"1"),
         ("noextension", b"skipped"),
         ("x/two.jpg", b"j2"),
