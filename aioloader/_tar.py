@@ -88,6 +88,9 @@ async def tar_members(
     reader = _Reader(chunks)
     reader.offset = base
     long_name: str | None = None
+    pax_size: int | None = None
+    """A pax header's `size`, which overrides the next member's header (over 8 GiB, the
+    header's field cannot hold it and says 0)."""
     first_block: int | None = None
     while True:
         at = reader.offset
@@ -105,6 +108,8 @@ async def tar_members(
         except (tarfile.TarError, ValueError) as e:
             raise TarFormatError(f"{where}: bad tar header at offset {at}: {e}") from None
         name = long_name or info.name
+        if pax_size is not None and info.type not in _METADATA:
+            info.size, pax_size = pax_size, None
         if info.size < 0:
             raise TarFormatError(
                 f"{where}: tar member {name!r} at offset {at} declares a negative size "
@@ -128,9 +133,10 @@ async def tar_members(
         if info.type == tarfile.GNUTYPE_LONGNAME:
             long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE):
-            path = _pax_path(data, where, at + BLOCK)
+            records = _pax_records(data, where, at + BLOCK)
             if info.type == tarfile.XHDTYPE:
-                long_name = path or long_name
+                long_name = records.get(b"path", "") or long_name
+                pax_size = _pax_number(records, b"size", where, at)
         elif info.type in _REGULAR:
             yield name, data, first_block
             long_name = first_block = None
@@ -138,13 +144,25 @@ async def tar_members(
             long_name = first_block = None
 
 
-def _pax_path(data: bytes, where: str, offset: int) -> str | None:
-    """The `path` record of a pax extended header ("<length> <keyword>=<value>\\n" records).
+def _pax_number(records: dict[bytes, str], keyword: bytes, where: str, at: int) -> int | None:
+    """A pax record that holds a number, if there is one."""
+    value = records.get(keyword)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise TarFormatError(f"{where}: pax header at offset {at} gives {keyword.decode()} "
+                             f"{value!r}, not a number")
+    return int(value)
+
+
+def _pax_records(data: bytes, where: str, offset: int) -> dict[bytes, str]:
+    """The records of a pax extended header ("<length> <keyword>=<value>\\n" each), by
+    keyword; a later record of a keyword wins, as in tar.
 
     Every record's framing is checked, so no length can stall or misplace the walk. `offset`
     is where `data` starts in the shard. As in CPython's tarfile, a NUL byte ends the records.
     """
-    path = None
+    records: dict[bytes, str] = {}
     position = 0
     while position < len(data) and data[position] != 0:
         match = _PAX_LENGTH.match(data, position)
@@ -156,10 +174,9 @@ def _pax_path(data: bytes, where: str, offset: int) -> str | None:
                 f"{where}: bad pax header record at offset {offset + position}: "
                 f"{data[position : position + 40]!r}"
             )
-        if keyword == b"path":
-            path = value.decode("utf-8", "surrogateescape")
+        records[keyword] = value.decode("utf-8", "surrogateescape")
         position = end
-    return path
+    return records
 
 
 def split_name(name: str) -> tuple[str, str] | None:

@@ -423,3 +423,21 @@ def test_a_kept_index_that_skips_samples_is_made_again_by_reading_the_shard(
     shards = aioloader.TarShards(str(shard), index_dir=kept)
     assert len(shards) == 10
     assert json.loads(document.read_text())["starts"] == true_starts(shard)
+
+
+def test_a_pax_size_overrides_the_headers_as_for_members_over_8_gib() -> None:
+    """Over 8 GiB a header's size field cannot hold the size: tar writes 0 there and the size
+    in a pax header, which readers must take (as tarfile and WebDataset do)."""
+    def overridden(size: str, data: bytes) -> bytes:
+        return (member("././@PaxHeader", pax_record("size", size), tarfile.XHDTYPE)
+                + member("k.txt", data, size=0))
+
+    shard = overridden("4", b"text") + member("l.txt", b"next") + bytes(2 * tarfile.BLOCKSIZE)
+    with tarfile.open(fileobj=io.BytesIO(shard)) as tar:
+        extracted = tar.extractfile("k.txt")
+        assert extracted is not None and extracted.read() == b"text"
+    assert [(s["__key__"], s["txt"]) for s in parse(shard)] == [("k", b"text"), ("l", b"next")]
+    with pytest.raises(TarFormatError, match=r"gives size 'x', not a number"):
+        parse(overridden("x", b""))
+    with pytest.raises(TarFormatError, match="over the limit"):  # before any of it is read
+        parse(overridden(str(20 * 2**30), b""))
