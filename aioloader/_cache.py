@@ -217,8 +217,8 @@ class SharedCache(Closing):
     def _create(self, capacity: int) -> None:
         index_bytes = _HEADER.size + _ENTRY.size * capacity
         if self._by_name:
-            shm.create(self.names[0], index_bytes).close()
-            shm.create(self.names[1], self.size_limit, reserved=False).close()  # filled lazily
+            shm.create(self.names[0], index_bytes)
+            shm.create(self.names[1], self.size_limit, reserved=False)  # filled lazily
         else:  # blocks: nothing left behind whatever ends this process
             (index, self._index_fd), (data, self._data_fd) = shm.new_block(), shm.new_block()
             self.names = (index, data)

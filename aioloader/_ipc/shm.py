@@ -64,17 +64,16 @@ def reserve(descriptor: int, offset: int, length: int) -> None:
         raise
 
 
-def create(name: str, size: int, reserved: bool = True, populate: bool = False) -> mmap.mmap:
-    """A new segment of `size` bytes, mode 0600; with `reserved`, its pages are allocated now
-    (NoSpace if they do not fit), else it is sparse and the caller reserves ranges itself.
-    `populate`: see `attach`."""
+def create(name: str, size: int, reserved: bool = True) -> None:
+    """A new segment of `size` bytes, mode 0600 (a named cache's, mapped through
+    `open_owned`); with `reserved`, its pages are allocated now (NoSpace if they do not fit),
+    else it is sparse and the caller reserves ranges itself."""
     descriptor = os.open(path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     try:
         if reserved:
             reserve(descriptor, 0, size)
         else:
             os.ftruncate(descriptor, size)
-        return _map(descriptor, size, populate)
     except BaseException:
         unlink(name)
         raise
@@ -124,17 +123,6 @@ def _check(info: os.stat_result, name: str) -> None:
             f"{path(name)} is not a private file ({stat.filemode(info.st_mode)}): refusing to "
             "use it; only a regular file of mode 0600 is used. Remove it, or choose another name."
         )
-
-
-def attach(name: str, populate: bool = False) -> mmap.mmap:
-    """Map an existing segment of this user's. `populate` maps every page now, in one call:
-    for a segment about to be written whole and mapped only briefly, that costs less than a
-    page fault per page (never for a sparse segment, whose holes it would fill)."""
-    descriptor = open_owned(name)
-    try:
-        return _map(descriptor, 0, populate)
-    finally:
-        os.close(descriptor)
 
 
 def _map(descriptor: int, size: int, populate: bool) -> mmap.mmap:
@@ -200,7 +188,9 @@ def empty(token: str) -> None:
 
 
 def attach_block(token: str, populate: bool = False) -> mmap.mmap:
-    """Map a block another process (or this one) holds; `populate` as for `attach`."""
+    """Map a block another process (or this one) holds. `populate` maps every page now, in
+    one call: for a block about to be written whole and mapped only briefly, that costs less
+    than a page fault per page."""
     descriptor = open_block(token)
     try:
         return _map(descriptor, 0, populate)
