@@ -3,6 +3,9 @@ processes, on threads, giving the batches DataLoader gives."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+
 import numpy as np
 import pytest
 
@@ -203,6 +206,47 @@ def test_persistent_workers_keep_the_dataset_of_the_first_pass(service: str | No
         assert [x for batch in loader for x in batch.tolist()] == [0, 10, 20, 30]
         dataset.scale = 100
         assert [x for batch in loader for x in batch.tolist()] == [0, 10, 20, 30]
+
+
+class Shared(TorchDataset):  # type: ignore[misc]
+    """A dataset whose workers share multiprocessing's objects, as DataLoader's inherit them:
+    a counter under its lock, an array, a queue."""
+
+    def __init__(self, size: int, context: str = "spawn") -> None:
+        made = multiprocessing.get_context(context)
+        self.calls, self.seen, self.pids = made.Value("i", 0), made.Array("b", size), made.Queue()
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> int:
+        with self.calls.get_lock():
+            self.calls.value += 1
+        self.seen[index] = 1
+        self.pids.put(os.getpid())
+        return index
+
+
+@pytest.mark.parametrize("service", ["process", None])
+def test_multiprocessings_shared_objects_are_shared_with_the_decode_processes(
+    service: str | None
+) -> None:
+    """What decode processes write to them, the trainer reads, and they to each other."""
+    dataset = Shared(12)
+    with aioloader.Loader(aioloader.from_torch(dataset), batch_size=4, num_workers=2,
+                          service=service) as loader:
+        assert sorted(x for batch in loader for x in batch.tolist()) == list(range(12))
+        pids = {dataset.pids.get(timeout=10) for _ in range(12)}
+    assert dataset.calls.value == 12 and list(dataset.seen) == [1] * 12
+    assert os.getpid() not in pids
+
+
+def test_a_lock_made_in_a_fork_context_is_refused_naming_the_context_to_use() -> None:
+    """Its semaphore has no name left to open elsewhere: multiprocessing itself refuses it."""
+    with pytest.raises(ValueError, match=r"get_context\('spawn'\)"):
+        aioloader.Loader(aioloader.from_torch(Shared(4, "fork")), batch_size=2, num_workers=2,
+                         service=None)
 
 
 def test_epochs_cut_short_see_as_many_distinct_samples_as_dataloader() -> None:

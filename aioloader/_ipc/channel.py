@@ -10,13 +10,19 @@ user writes it; everything importable still travels by reference.
 from __future__ import annotations
 
 import array
+import collections
+import contextlib
 import copyreg
+import dataclasses
 import io
+import os
 import pickle
 import socket
 import struct
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from multiprocessing import context as mp_context
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -44,9 +50,68 @@ def frame(data: bytes) -> list[bytes]:
 
 def dumps(value: Any) -> bytes:
     """cloudpickle: what travels once (a decode spec, a configuration, an environment) may hold
-    anything a user writes, sent by value where it must be."""
-    data: bytes = cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return data
+    anything a user writes, sent by value where it must be, multiprocessing's shared objects
+    included (`_AsIfSpawning`)."""
+    buffer = io.BytesIO()
+    with _as_if_spawning():
+        _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle's, with multiprocessing's own reducers for the memory and the pipes behind
+    its shared objects (which it registers with its ForkingPickler only, ctypes types as it
+    makes them)."""
+
+    @property
+    def dispatch_table(self) -> collections.ChainMap[Any, Any]:
+        return collections.ChainMap(
+            {kind: reduce for kind, reduce in ForkingPickler._extra_reducers.items()  # type: ignore[attr-defined]
+             if reduce.__module__ in _SHARING_MODULES},
+            cloudpickle.Pickler.dispatch_table)
+
+
+_SHARING_MODULES = ("multiprocessing.heap", "multiprocessing.connection",
+                    "multiprocessing.sharedctypes")
+
+
+class _AsIfSpawning:
+    """What multiprocessing asks of a process being spawned. Its shared objects (`Value`,
+    `Array`, `Lock`, `Semaphore`, a `Queue`) pickle only then, as DataLoader's workers inherit
+    them: semaphores by name, memory and pipes by descriptor. Decode processes are not forked
+    from this one, so a descriptor is opened where it arrives as `/proc/PID/fd/N`, which only
+    the same user may open (as blocks are, `shm.open_block`). A semaphore made in a fork
+    context has no name left, and multiprocessing refuses it."""
+
+    @staticmethod
+    def duplicate_for_child(fd: int) -> int:
+        return fd
+
+    @staticmethod
+    def DupFd(fd: int) -> _Descriptor:
+        return _Descriptor(os.getpid(), fd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Descriptor:
+    """A descriptor of another process, opened on `detach` as multiprocessing's `DupFd`."""
+
+    pid: int
+    fd: int
+
+    def detach(self) -> int:
+        return os.open(f"/proc/{self.pid}/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
+@contextlib.contextmanager
+def _as_if_spawning() -> Iterator[None]:
+    """For this thread only, as multiprocessing's own spawning is."""
+    previous = mp_context.get_spawning_popen()
+    mp_context.set_spawning_popen(_AsIfSpawning())  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        mp_context.set_spawning_popen(previous)
 
 
 def dumps_data(value: Any) -> bytes:

@@ -58,9 +58,9 @@ class ServiceHolder(ProcessBound):
                 _pickled_for_decode(config, spec)  # raises naming decode or worker_init
                 raise ValueError(
                     f"the dataset cannot be sent to the loader service: {type(e).__name__}: "
-                    f"{e}. It holds something that cannot be pickled (an open file, a lock, a "
-                    "client); make it picklable, or keep the loader in this process with "
-                    "service=None."
+                    f"{e}. It holds something that cannot be pickled (an open file, a "
+                    f"client); make it picklable, or keep the loader in this process with "
+                    f"service=None. {_SHARED_OBJECTS}"
                 ) from e
             pickled = [self.code]
         self.packages = packages_behind(pickled)
@@ -138,6 +138,12 @@ class ServiceHolder(ProcessBound):
             client.close()
 
 
+_SHARED_OBJECTS = (
+    "multiprocessing's Value, Array, Lock, Semaphore and Queue are shared when made from a "
+    "spawn or forkserver context (multiprocessing.get_context('spawn').Value(...)); those "
+    "of a fork context cannot leave their process.")
+
+
 def _pickled_for_decode(config: LoaderConfig, spec: DecodeSpec) -> list[bytes]:
     pickled = []
     for name, value in (("decode", spec), ("worker_init", config.worker_init)):
@@ -147,7 +153,7 @@ def _pickled_for_decode(config: LoaderConfig, spec: DecodeSpec) -> list[bytes]:
             raise ValueError(
                 f"{name} cannot be sent to the decode processes: {type(e).__name__}: {e}. "
                 "It (or what it refers to) holds something that cannot be pickled, such "
-                "as an open file, a lock or a socket; or use num_workers=0."
+                f"as an open file or a socket; or use num_workers=0. {_SHARED_OBJECTS}"
             ) from e
     return pickled
 
