@@ -277,6 +277,9 @@ class Loader(Closing, AsyncClosing):
             state["remaining"] = [list(pair) for pair in remaining]
         elif isinstance(self.dataset, Stream):
             state["world_size"] = self.world_size
+            copies = self._runner.copies
+            if copies is not None:  # an IterableDataset: where each worker's copy stands
+                state["copies"] = copies
         state_at = getattr(self.dataset, "state_at", None)
         if state_at is not None:  # a mixture: where each source stands, for people to read
             state["sources"] = state_at(at.epoch, self.config.seed, position)
@@ -291,7 +294,7 @@ class Loader(Closing, AsyncClosing):
         size for a stream that needs the same) is refused here, naming what is wrong."""
         epoch, position = _check_state(state)
         self.dataset.check_state(state)  # saved for this data: its length, units and sizes
-        remaining = None
+        remaining, copies = None, None
         if isinstance(self.dataset, IndexedStream):
             total = int(self.dataset.unit_sizes.sum())
             if "remaining" in state:
@@ -303,15 +306,13 @@ class Loader(Closing, AsyncClosing):
                 remaining = self.dataset.state_after(saved, position)
         elif isinstance(self.dataset, Stream):
             if isinstance(self.dataset, FromTorchIterable) and position:
-                raise LoaderError(
-                    "an IterableDataset resumes only at an epoch's start: its place is in its "
-                    f"iterators, which the loader cannot move (position {position} was saved)")
+                copies = _check_copies(state.get("copies"), max(self.num_workers, 1))
             if state.get("world_size") != self.world_size:
                 raise LoaderError(
                     f"this stream's state was saved with world size {state.get('world_size')}; "
                     f"a stream resumes only with the same world size, not {self.world_size}"
                 )
-            if isinstance(self.dataset, Sized) and position > len(self.dataset):
+            if copies is None and isinstance(self.dataset, Sized) and position > len(self.dataset):
                 raise ValueError(f"position {position} is past this rank's "
                                  f"{len(self.dataset)} items")
         elif position > len(self.dataset):
@@ -319,7 +320,7 @@ class Loader(Closing, AsyncClosing):
                              f"({len(self.dataset)} samples)")
         if remaining is not None:  # the new division starts with nothing taken
             position = 0
-        self._runner.move(Position(epoch, position, position, remaining))
+        self._runner.move(Position(epoch, position, position, remaining, copies))
 
     def __len__(self) -> int:
         """Batches this rank gets in the next pass (in the running one, while it runs):
@@ -387,6 +388,21 @@ def _shut_down(factory: PassFactory, service: ServiceHolder) -> None:
     child (its `sys.exit` runs this too) only the child's copies are let go of."""
     service.close()
     factory.close()
+
+
+def _check_copies(copies: Any, workers: int) -> dict[str, Any]:
+    """Where an IterableDataset's copies stood, saved for as many decode processes as this
+    Loader has (each copy resumes its own share), or an error naming what is wrong."""
+    if not isinstance(copies, dict) or not isinstance(copies.get("workers"), list):
+        raise LoaderError(
+            "this IterableDataset's state has no 'copies' (where each worker's copy stood), "
+            "so it resumes only at an epoch's start; save it with this version's state_dict()")
+    saved = len(copies["workers"])
+    if saved != workers:
+        raise LoaderError(
+            f"this IterableDataset's state was saved with {saved} decode processes; it resumes "
+            f"with as many (each worker's copy resumes its own share), not {workers}")
+    return copies
 
 
 def _check_state(state: Any) -> tuple[int, int]:

@@ -4,6 +4,7 @@ DataLoader's workers, with the batches, order and errors DataLoader gives."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 from typing import Any
@@ -51,6 +52,33 @@ class Sharded(IterableDataset):  # type: ignore[misc]
         info = get_worker_info()
         start, step = (0, 1) if info is None else (info.id, info.num_workers)
         return iter(range(start, self.n, step))
+
+
+class Resumable(IterableDataset):  # type: ignore[misc]
+    """`Sharded` with torchdata's Stateful protocol (where its iterator stands), counting the
+    items it makes in a counter its copies share: a copy resumed from its state makes none
+    twice."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.next = n, -1
+        self.made = multiprocessing.get_context("spawn").Value("i", 0)
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        first, self.next = (self.next if self.next >= 0 else start), -1
+        for i in range(first, self.n, step):
+            self.next = i + step
+            with self.made.get_lock():
+                self.made.value += 1
+            yield i
+        self.next = -1  # run out: the next iteration starts anew
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next = state["next"]
 
 
 class Failing(IterableDataset):  # type: ignore[misc]
@@ -129,14 +157,67 @@ def test_what_does_not_apply_is_refused_naming_why() -> None:
         loader(Counting(4), batch_size=2, shuffle=True)
     with pytest.raises(ValueError, match="service='process' or None"):
         loader(Counting(4), batch_size=2, num_workers=1, service="node")
-    with loader(Counting(8), batch_size=2, num_workers=0) as items:
+    with loader(Counting(8), batch_size=2, num_workers=2) as items:
         for n, _ in enumerate(items):
             if n == 1:
                 state = items.state_dict()
                 break
-    again = loader(Counting(8), batch_size=2, num_workers=0)
+    with pytest.raises(aioloader.LoaderError, match="saved with 2 decode processes"):
+        loader(Counting(8), batch_size=2, num_workers=3).load_state_dict(state)
+    del state["copies"]  # as an older version saved it
     with pytest.raises(aioloader.LoaderError, match="epoch's start"):
+        loader(Counting(8), batch_size=2, num_workers=2).load_state_dict(state)
+
+
+def first_batches_then_state(made: aioloader.Loader, steps: int) -> tuple[list[int], Any]:
+    """The items of `steps` batches, and the state saved inside the loop before the break."""
+    taken: list[int] = []
+    for n, batch in enumerate(made):
+        taken += batch.tolist()
+        if n == steps - 1:
+            return taken, json.loads(json.dumps(made.state_dict()))
+    raise AssertionError("the pass ended first")
+
+
+@pytest.mark.parametrize(("num_workers", "service"), [(2, None), (2, "process"), (0, None)])
+@pytest.mark.parametrize("stateful", [True, False], ids=["state_dict", "skipping"])
+def test_a_pass_resumed_mid_epoch_continues_each_copy_where_it_stood(
+    num_workers: int, service: str | None, stateful: bool
+) -> None:
+    """As torchdata's StatefulDataLoader: each worker's copy loads its state where it offers
+    one (and makes no item twice), else skips the items it had given; the turns go on where
+    they were, so the items come in the order of one unbroken pass, then the next epoch is
+    whole."""
+    def made() -> Any:
+        return Resumable(41) if stateful else Sharded(41)
+
+    options = {"batch_size": 3, "num_workers": num_workers, "service": service}
+    with loader(made(), **options) as whole:
+        unbroken = [x for batch in whole for x in batch.tolist()]
+    with loader(made(), **options) as first:
+        taken, state = first_batches_then_state(first, 5)
+    resumed = made()
+    with loader(resumed, **options) as again:
         again.load_state_dict(state)
+        rest = [x for batch in again for x in batch.tolist()]
+        assert taken + rest == unbroken
+        if stateful:
+            assert resumed.made.value == 41 - 15
+        assert sorted(x for batch in again for x in batch.tolist()) == list(range(41))
+
+
+def test_a_copy_that_had_run_out_stays_out_when_resumed() -> None:
+    def made() -> aioloader.Loader:
+        return loader(PerWorker([2, 20]), batch_size=3, num_workers=2)
+
+    with made() as whole:
+        unbroken = [x for batch in whole for x in batch.tolist()]
+    with made() as first:
+        taken, state = first_batches_then_state(first, 4)
+    assert [copy["exhausted"] for copy in state["copies"]["workers"]] == [True, False]
+    with made() as again:
+        again.load_state_dict(state)
+        assert taken + [x for batch in again for x in batch.tolist()] == unbroken
 
 
 TORCHRUN_JOB = '''
@@ -163,23 +244,44 @@ class RankAndWorkerShards(IterableDataset):
         return iter(range(rank * workers + worker, self.n, world * workers))
 
 
+def new_loader():
+    return aioloader.Loader(aioloader.from_torch(RankAndWorkerShards(100)), batch_size=5,
+                            num_workers=2, service=None if sys.argv[2] == "None" else sys.argv[2])
+
+
+def step(batch):
+    optimizer.zero_grad()
+    model(batch.float().unsqueeze(1)).sum().backward()  # all-reduces every step
+    optimizer.step()
+    return batch.tolist()
+
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = nn.parallel.DistributedDataParallel(nn.Linear(1, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-loader = aioloader.Loader(aioloader.from_torch(RankAndWorkerShards(100)), batch_size=5,
-                          num_workers=2, service=None if sys.argv[2] == "None" else sys.argv[2])
+loader = new_loader()
 seen = []
 with TorchLoader(loader) as batches:
     for epoch in range(2):
         loader.set_epoch(epoch)
         items = []
         for batch in batches:
-            optimizer.zero_grad()
-            model(batch.float().unsqueeze(1)).sum().backward()  # all-reduces every step
-            optimizer.step()
-            items += batch.tolist()
+            items += step(batch)
         seen.append(items)
+    loader.set_epoch(2)  # the job stops after 3 steps of epoch 2, saving its state
+    items = []
+    for n, batch in enumerate(batches):
+        items += step(batch)
+        if n == 2:
+            state = json.loads(json.dumps(loader.state_dict()))
+            break
+resumed = new_loader()  # the job restarted
+resumed.load_state_dict(state)
+with TorchLoader(resumed) as batches:
+    for batch in batches:
+        items += step(batch)
+seen.append(items)
 with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as out:
     json.dump(seen, out)
 dist.destroy_process_group()
@@ -187,7 +289,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("service", ["process", "None"])
-def test_under_torchrun_two_ranks_of_two_workers_read_every_item_once_per_epoch(
+def test_under_torchrun_two_ranks_of_two_workers_read_every_item_once_per_epoch_and_resume(
     tmp_path: Any, service: str
 ) -> None:
     import subprocess
@@ -200,6 +302,6 @@ def test_under_torchrun_two_ranks_of_two_workers_read_every_item_once_per_epoch(
          str(script), str(tmp_path), service], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
-    for epoch in range(2):
+    for epoch in range(3):  # the last one stopped after 3 steps and resumed
         items = ranks[0][epoch] + ranks[1][epoch]
         assert sorted(items) == list(range(100)), f"epoch {epoch}"

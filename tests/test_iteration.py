@@ -95,25 +95,25 @@ def test_closing_the_runner_makes_a_running_pass_raise_and_refuses_new_ones() ->
 
 class FakeClient:
     """A loader service's client, as a ServiceHandle uses it: batches 0..count-1, each with
-    the position after it."""
+    the position after it (and no IterableDataset's copies)."""
 
     def __init__(self, count: int) -> None:
         self.sent = iter(range(count))
         self.pass_open = self.closed = False
         self.stopped: list[bool] = []
 
-    def open(self, epoch: int, start: int, remaining: Any) -> None:
+    def open(self, epoch: int, start: int, remaining: Any, copies: Any) -> None:
         self.pass_open = True
         self.sent = iter(range(start, 5))
 
-    def next(self) -> tuple[Any, int] | None:
+    def next(self) -> tuple[Any, int, None] | None:
         item = next(self.sent, None)
         if item is None:
             self.pass_open = False
             return None
-        return item, item + 1
+        return item, item + 1, None
 
-    async def next_async(self) -> tuple[Any, int] | None:
+    async def next_async(self) -> tuple[Any, int, None] | None:
         return self.next()
 
     def stop(self, wait: bool = True) -> None:
@@ -123,7 +123,7 @@ class FakeClient:
 
 def _opening(client: FakeClient, start: int, ended: list[Handle]) -> Opening:
     factory = PassFactory(LoaderConfig(dataset=Numbers(), num_workers=0))
-    return Opening(0, start, None, factory, lambda: client, ended.append)  # type: ignore[arg-type, return-value]
+    return Opening(0, start, None, None, factory, lambda: client, ended.append)  # type: ignore[arg-type, return-value]
 
 
 def test_a_service_pass_books_each_batch_and_tells_once_that_it_ended() -> None:

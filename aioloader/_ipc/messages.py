@@ -97,6 +97,9 @@ class ChunkResult:
     block, with a row for every sample of the chunk."""
     exhausted: bool = False
     """An IterableDataset's chunk: the worker's iterator ran out while filling it."""
+    copy_state: Any = None
+    """An IterableDataset's chunk: where the worker's copy stood after it
+    (`FromTorchIterable.snapshot`)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for the main process: tensor views travel as their own elements."""

@@ -25,7 +25,7 @@ from .._pass.factory import PassFactory
 from .._pass.pipeline import END, Pass
 from .._sampling import Intervals
 from .._service.client import EXTRA_SECONDS, ServiceClient
-from .._stats import LoaderStats, now
+from .._stats import now
 
 CLOSE_WAIT_SECONDS = 5.0
 """How long closing a Loader from another thread waits for its running pass to close."""
@@ -38,6 +38,8 @@ class Opening:
     epoch: int
     start: int
     remaining: Intervals | None
+    copies: dict[str, Any] | None
+    """An IterableDataset's: where each worker's copy resumes (`IterableSource`)."""
     factory: PassFactory
     client: Callable[[], ServiceClient]
     """The loader service's client, the service started if need be."""
@@ -66,6 +68,12 @@ class Handle(ABC):
     @abstractmethod
     def position(self) -> int:
         """Where the pass stands: the position after the last batch handed over."""
+
+    @property
+    @abstractmethod
+    def copies(self) -> dict[str, Any] | None:
+        """An IterableDataset's: where each worker's copy stands after the last batch handed
+        over (`IterableSource.copies`)."""
 
     @property
     @abstractmethod
@@ -127,12 +135,17 @@ class LocalHandle(Handle):
 
     @classmethod
     async def _opened(cls, opening: Opening, thread: LoopThread | None) -> Handle:
-        running = await opening.factory.open(opening.epoch, opening.start, opening.remaining)
+        running = await opening.factory.open(opening.epoch, opening.start, opening.remaining,
+                                             opening.copies)
         return cls(running, thread, opening)
 
     @property
     def position(self) -> int:
         return self._pass.position
+
+    @property
+    def copies(self) -> dict[str, Any] | None:
+        return self._pass.copies
 
     @property
     def goes_on(self) -> bool:
@@ -207,12 +220,12 @@ class LocalHandle(Handle):
 class ServiceHandle(Handle):
     """A pass run in a loader service: the batches arrive on its client's socket."""
 
-    def __init__(self, client: ServiceClient, start: int, stats: LoaderStats,
-                 ended: Callable[[Handle], None]) -> None:
+    def __init__(self, client: ServiceClient, opening: Opening) -> None:
         self._client = client
-        self._position = start
-        self._stats = stats
-        self._ended = ended
+        self._position = opening.start
+        self._copies = opening.copies
+        self._stats = opening.factory.stats
+        self._ended = opening.ended
         self._finished = False
         self._over = False
         self._handed_at: float | None = None
@@ -220,8 +233,8 @@ class ServiceHandle(Handle):
     @classmethod
     def open(cls, opening: Opening) -> Handle:
         client = opening.client()
-        client.open(opening.epoch, opening.start, opening.remaining)
-        return cls(client, opening.start, opening.factory.stats, opening.ended)
+        client.open(opening.epoch, opening.start, opening.remaining, opening.copies)
+        return cls(client, opening)
 
     @classmethod
     async def open_async(cls, opening: Opening) -> Handle:
@@ -240,6 +253,10 @@ class ServiceHandle(Handle):
         return self._position
 
     @property
+    def copies(self) -> dict[str, Any] | None:
+        return self._copies
+
+    @property
     def goes_on(self) -> bool:
         client = self._client
         return not self._over and client.pass_open and client.broken is None
@@ -252,13 +269,14 @@ class ServiceHandle(Handle):
         asked = now()
         return self._delivered(await self._client.next_async(), asked)
 
-    def _delivered(self, got: tuple[Any, int] | None, asked: float) -> Any:
+    def _delivered(self, got: tuple[Any, int, dict[str, Any] | None] | None, asked: float
+                   ) -> Any:
         """Book a batch handed over: the position after it, the wait for it."""
         if got is None:
             self._finished = True
             self.close()
             return END
-        item, self._position = got
+        item, self._position, self._copies = got
         stats, arrived = self._stats, now()
         stats.batches += 1
         stats.consumer_wait.add(arrived - asked)

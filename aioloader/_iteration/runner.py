@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 from .._errors import LoaderError
 from .._pass.factory import PassFactory
@@ -30,12 +31,14 @@ class Position:
     remaining: Intervals | None = None
     """Streams divided by samples: what the last pass (or the next, when resuming) divides
     among the ranks; None for the whole epoch."""
+    copies: dict[str, Any] | None = None
+    """An IterableDataset resumed: where each worker's copy resumes (`IterableSource`)."""
 
     def started(self) -> Position:
         """Where a pass starts: the resume point, else the beginning of the epoch."""
         if self.resume_at is None:
             return Position(self.epoch)
-        return Position(self.epoch, self.resume_at, None, self.remaining)
+        return Position(self.epoch, self.resume_at, None, self.remaining, self.copies)
 
     def ended(self) -> Position:
         """Where a pass leaves the Loader, whether it finished or was broken off: at the next
@@ -81,6 +84,12 @@ class Runner:
         """Where the running pass stands, else where the last one stood."""
         handle = self._handle
         return handle.position if handle is not None else self._at.position
+
+    @property
+    def copies(self) -> dict[str, Any] | None:
+        """An IterableDataset's: where the workers' copies stand, as `position`."""
+        handle = self._handle
+        return handle.copies if handle is not None else self._at.copies
 
     def move(self, at: Position) -> None:
         """`set_epoch`, `load_state_dict`: the next pass starts at `at`."""
@@ -128,7 +137,7 @@ class Runner:
             self._opening = True
             self._at = at = self._at.started()
         config = self._factory.config
-        return Opening(at.epoch, at.position, at.remaining, self._factory,
+        return Opening(at.epoch, at.position, at.remaining, at.copies, self._factory,
                        lambda: self._service.start(config, for_a_pass=True), self._pass_ended)
 
     def _unreserve(self) -> None:

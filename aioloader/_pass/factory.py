@@ -14,7 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -101,6 +101,7 @@ class PassFactory:
             config.seed, config.augment, config.cache, load, threads,
             drop_partial=(isinstance(dataset, FromTorchIterable) and config.drop_last
                           and config.batch_size is not None),
+            snapshot=dataset.snapshot if isinstance(dataset, FromTorchIterable) else None,
         )
         self.backend: BackendHolder | None = None
         if executor is not None:
@@ -181,10 +182,12 @@ class PassFactory:
 
     # -- a pass ------------------------------------------------------------------------------
 
-    async def open(self, epoch: int, start: int, remaining: Intervals | None) -> Pass:
+    async def open(self, epoch: int, start: int, remaining: Intervals | None,
+                   copies: dict[str, Any] | None = None) -> Pass:
         """A started pass over `epoch` from `start` (streams divided by samples: over
-        `remaining`), built in the running loop."""
-        running = self.build(epoch, start, remaining)
+        `remaining`; an IterableDataset: its copies where `copies` says), built in the running
+        loop."""
+        running = self.build(epoch, start, remaining, copies)
         try:
             await running.start()
         except BaseException:
@@ -192,7 +195,8 @@ class PassFactory:
             raise
         return running
 
-    def build(self, epoch: int, start: int, remaining: Intervals | None) -> Pass:
+    def build(self, epoch: int, start: int, remaining: Intervals | None,
+              copies: dict[str, Any] | None = None) -> Pass:
         config, stats, share = self.config, self.stats, self.share
         dataset = config.dataset
         pass_config = self.pass_config(epoch)
@@ -209,7 +213,8 @@ class PassFactory:
         source: PlannedSource | StreamSource | IterableSource
         if isinstance(dataset, FromTorchIterable):
             source = IterableSource(dataset, max(config.num_workers, 1),
-                                    config.batch_size or 1, pass_config.steps_per_chunk)
+                                    config.batch_size or 1, pass_config.steps_per_chunk,
+                                    start, copies)
         elif isinstance(dataset, Stream):
             source = StreamSource(
                 dataset, start, config.batch_size or 1, pass_config.steps_per_chunk,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import os
 from collections.abc import Callable
 from contextlib import aclosing
@@ -23,6 +24,7 @@ import numpy as np
 from .._cache import CACHED, SharedCache
 from .._datasets import Dataset, Stream
 from .._errors import FetchError, SampleError, SampleFetchError, typed
+from .._ipc.messages import ChunkResult
 from .._sampling import EpochPlan
 from .._stats import LoaderStats, now
 from .._tasks import TaskSet
@@ -59,8 +61,9 @@ class Pending:
     failed_at: int = -1
     worker: int | None = None
     """An IterableDataset's chunk: the decode process whose iterator fills it."""
-    on_exhausted: Callable[[], None] | None = None
-    """Called if that iterator ran out while filling it."""
+    on_result: Callable[[ChunkResult], None] | None = None
+    """An IterableDataset's chunk: told its result (whether that iterator ran out, where the
+    copy stands)."""
 
 
 class Work(Protocol):
@@ -128,6 +131,9 @@ class PlannedSource:
 
     def position(self, steps_done: int) -> int:
         return self.plan.global_position(steps_done)
+
+    def copies(self, steps_done: int) -> None:
+        return None
 
     def key(self, pending: Pending, position: int) -> str:
         return sample_key(self.dataset, pending.indices[position])
@@ -272,6 +278,9 @@ class StreamSource:
     def position(self, steps_done: int) -> int:
         return self._start + steps_done * self._step_size
 
+    def copies(self, steps_done: int) -> None:
+        return None
+
     def key(self, pending: Pending, position: int) -> str:
         """Named only when an error needs it: a stream's items can come by the hundred
         thousand a second."""
@@ -331,22 +340,46 @@ class IterableSource:
     own copy, as a DataLoader worker does; the pass's chunks go to the workers in turn (chunk k
     to the k-th live one, cycling), each filled from its worker's iterator (its raw items are
     the pass's ticket, which names the iterator), so batches come in DataLoader's order. A
-    worker whose iterator ran out gets no more; the feed ends when all have."""
+    worker whose iterator ran out gets no more; the feed ends when all have.
 
-    def __init__(self, stream: Stream, workers: int, step_size: int, steps_per_chunk: int
-                 ) -> None:
+    Where the copies stand (`copies`) is booked from each chunk's result and read for the
+    chunks handed over: `{"next": the worker whose turn is next, "workers": [where each copy
+    stood, or None]}`. A pass resumed from it starts each copy there (its first chunk's raw
+    items carry it) and the turns where they were."""
+
+    def __init__(self, stream: Stream, workers: int, step_size: int, steps_per_chunk: int,
+                 start: int, copies: dict[str, Any] | None) -> None:
         self.stream = stream
         self._workers = workers
-        self._live = set(range(workers))
-        self._next = 0
+        stood: list[dict[str, Any] | None] = (copies or {}).get("workers") or [None] * workers
+        self._live = {w for w in range(workers) if not (stood[w] or {}).get("exhausted")}
+        self._next = int((copies or {}).get("next", 0))
+        self._resume = {w: where for w, where in enumerate(stood) if where is not None}
+        self._stood = list(stood)
+        """Where each copy stood after the last chunk handed over of it."""
+        self._results: list[tuple[int, int, dict[str, Any]]] = []
+        """(first step, worker, where it stood) of chunks decoded, not yet handed over: a
+        heap."""
+        self._turn_after_taken = self._next
         self._ticket = int.from_bytes(os.urandom(7), "little")
         self._chunk_size = step_size * steps_per_chunk
         self._step_size = step_size
         self._steps_per_chunk = steps_per_chunk
+        self._start = start
         self._count = 0
 
     def position(self, steps_done: int) -> int:
-        return steps_done * self._step_size
+        return self._start + steps_done * self._step_size
+
+    def copies(self, steps_done: int) -> dict[str, Any] | None:
+        """Where the copies stand once `steps_done` steps are handed over (which only grows)."""
+        while self._results and self._results[0][0] < steps_done:
+            _, worker, where = heapq.heappop(self._results)
+            self._stood[worker] = where
+            self._turn_after_taken = (worker + 1) % self._workers
+        if all(where is None for where in self._stood):
+            return None
+        return {"next": self._turn_after_taken, "workers": list(self._stood)}
 
     def key(self, pending: Pending, position: int) -> str:
         assert pending.first_item is not None
@@ -359,15 +392,24 @@ class IterableSource:
             await work.room()
             if worker not in self._live:  # it ran out while this waited
                 continue
-            ran_out = functools.partial(self._live.discard, worker)
+            raws: list[Any] = [self._ticket] * self._chunk_size
+            if worker in self._resume:
+                raws[0] = (self._ticket, self._resume.pop(worker))
             pending = Pending(step, self._steps_per_chunk,
-                              list(range(self._count, self._count + self._chunk_size)),
-                              [self._ticket] * self._chunk_size, first_item=self._count,
-                              worker=worker, on_exhausted=ran_out)
+                              list(range(self._count, self._count + self._chunk_size)), raws,
+                              first_item=self._count, worker=worker,
+                              on_result=functools.partial(self._booked, step, worker))
             self._count += self._chunk_size
             step += self._steps_per_chunk
             work.reading(pending, self._chunk_size)
             work.complete(pending)
+
+    def _booked(self, step: int, worker: int, result: ChunkResult) -> None:
+        if result.exhausted:
+            self._live.discard(worker)
+        if result.copy_state is not None:
+            where = {**result.copy_state, "exhausted": result.exhausted}
+            heapq.heappush(self._results, (step, worker, where))
 
     def _turn(self) -> int | None:
         """The next live worker in turn, None when none is left."""

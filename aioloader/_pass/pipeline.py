@@ -75,6 +75,8 @@ class Source(Protocol):
 
     def position(self, steps_done: int) -> int: ...
 
+    def copies(self, steps_done: int) -> dict[str, Any] | None: ...
+
     def key(self, pending: Pending, position: int) -> str: ...
 
     def oldest_read(self) -> tuple[float, str] | None: ...
@@ -209,6 +211,11 @@ class Pass:
     @property
     def position(self) -> int:
         return self._source.position(self.steps_done)
+
+    @property
+    def copies(self) -> dict[str, Any] | None:
+        """An IterableDataset's: where each worker's copy stands (`IterableSource`)."""
+        return self._source.copies(self.steps_done)
 
     @property
     def goes_on(self) -> bool:
@@ -481,8 +488,8 @@ class Pass:
                               if parts > 1 and self._blocks is not None
                               else self._decode_part(pending, kept))
         in_heap = 0 if result.shared else held
-        if result.exhausted and pending.on_exhausted is not None:
-            pending.on_exhausted()
+        if pending.on_result is not None:
+            pending.on_result(result)
         failure = self._failure_of(pending, kept, result)
         if failure is not None:
             return Failed(failure), held, in_heap

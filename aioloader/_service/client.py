@@ -142,15 +142,16 @@ class ServiceClient(ProcessBound):
 
     # -- the pass ---------------------------------------------------------------------------
 
-    def open(self, epoch: int, start: int, remaining: tuple[tuple[int, int], ...] | None
-             ) -> None:
-        self._send(Open(self._take_released(), epoch, start, remaining, AHEAD,
+    def open(self, epoch: int, start: int, remaining: tuple[tuple[int, int], ...] | None,
+             copies: dict[str, Any] | None) -> None:
+        self._send(Open(self._take_released(), epoch, start, remaining, copies, AHEAD,
                         Environment.here()))
         self.pass_open = True
         self._received = 0
 
-    def next(self) -> tuple[Any, int] | None:
-        """The next batch and the position after it, or None at the end of the pass."""
+    def next(self) -> tuple[Any, int, dict[str, Any] | None] | None:
+        """The next batch and where the pass stands after it (its position, an
+        IterableDataset's copies), or None at the end of the pass."""
         started = time.monotonic()
         self._say_if_waiting()
         while (message := self._pop()) is None:
@@ -164,7 +165,7 @@ class ServiceClient(ProcessBound):
         if not self._stream:
             self._send(Waiting(self._take_released(), self._received))
 
-    async def next_async(self) -> tuple[Any, int] | None:
+    async def next_async(self) -> tuple[Any, int, dict[str, Any] | None] | None:
         """`next()` for `async for`: the caller's loop waits for the socket to be readable,
         in short slices, so that a message another thread (asking for `stats`) received
         meanwhile is seen."""
@@ -230,7 +231,7 @@ class ServiceClient(ProcessBound):
                 self._released.append(message.item.name)
         return None
 
-    def _deliver(self, message: PassMessage) -> tuple[Any, int] | None:
+    def _deliver(self, message: PassMessage) -> tuple[Any, int, dict[str, Any] | None] | None:
         if isinstance(message, Batch):
             self._received += 1
             item = message.item
@@ -241,7 +242,7 @@ class ServiceClient(ProcessBound):
                     block = self._maps[name] = shm.attach_block(name)
                 item = views(block, item.value, lambda: self._released.append(name))
             self._send(Take(self._take_released()))
-            return item, message.position
+            return item, message.position, message.copies
         self.last_stats = message.stats
         if isinstance(message, Error) and not message.final:  # one batch's: the pass goes on
             self._send(Take(self._take_released()))

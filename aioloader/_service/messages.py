@@ -55,6 +55,7 @@ class Open:
     epoch: int
     start: int
     remaining: Intervals | None
+    copies: dict[str, Any] | None
     ahead: int
     environment: Environment
 
@@ -100,6 +101,8 @@ class Batch:
 
     item: Any
     position: int
+    copies: dict[str, Any] | None = None
+    """An IterableDataset's: where each worker's copy stands (`IterableSource.copies`)."""
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,8 @@ class Service:
             self._credits = asyncio.Semaphore(message.ahead)
             self._sent_in_pass, self._client_waits = 0, False
             self._pass = asyncio.get_running_loop().create_task(
-                self._run_pass(message.epoch, message.start, message.remaining))
+                self._run_pass(message.epoch, message.start, message.remaining,
+                               message.copies))
         elif isinstance(message, Take):
             self._credits.release()
         elif isinstance(message, Waiting) and message.received >= self._sent_in_pass:
@@ -177,8 +178,8 @@ class Service:
         elif isinstance(message, AskStats):
             self._send(Stats(self._stats()))
 
-    async def _run_pass(self, epoch: int, start: int, remaining: Any) -> None:
-        running = self._running = await self._open_or_report(epoch, start, remaining)
+    async def _run_pass(self, epoch: int, start: int, remaining: Any, copies: Any) -> None:
+        running = self._running = await self._open_or_report(epoch, start, remaining, copies)
         if running is None:
             return
         try:
@@ -208,7 +209,7 @@ class Service:
         if item is END:
             self._send(End(self._stats()))
             return False
-        data = dumps_data(Batch(item, running.position))
+        data = dumps_data(Batch(item, running.position, running.copies))
         blocks = self._factory.blocks
         if isinstance(item, Exported) and blocks is not None:
             blocks.hold(item.name)  # the client's, until it releases it
@@ -217,9 +218,10 @@ class Service:
         self._sent_in_pass += 1
         return True
 
-    async def _open_or_report(self, epoch: int, start: int, remaining: Any) -> Pass | None:
+    async def _open_or_report(self, epoch: int, start: int, remaining: Any, copies: Any
+                              ) -> Pass | None:
         try:
-            return await self._factory.open(epoch, start, remaining)
+            return await self._factory.open(epoch, start, remaining, copies)
         except Exception as e:
             self._send(Error(*_portable(e), self._stats()))
             return None

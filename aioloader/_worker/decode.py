@@ -122,6 +122,9 @@ class DecodeSpec:
     drop_partial: bool = False
     """An IterableDataset with drop_last: a chunk its worker's iterator ran out in is dropped
     if short, as DataLoader drops a worker's last, short batch."""
+    snapshot: Callable[[Any], Any] | None = None
+    """An IterableDataset: where this process's copy stands after a chunk, given the chunk's
+    first raw item; sent back with the result, to resume from."""
     wants_rng: bool = field(init=False)
     augment_wants_rng: bool = field(init=False)
 
@@ -169,7 +172,20 @@ def run_chunk(
 ) -> ChunkResult:
     """Decode every raw item of a chunk, then collate them (into `allocate`'s shared memory
     when given and the collate is the default one: row by row, as samples come); errors
-    become data, not raises."""
+    become data, not raises. An IterableDataset's copy says where it then stands."""
+    result = _decoded(spec, chunk, allocate)
+    if spec.snapshot is not None and chunk.raws:
+        try:
+            result.copy_state = spec.snapshot(chunk.raws[0])
+        except Exception as e:
+            error = RuntimeError(f"the dataset's state_dict raised {one_line(e)}")
+            result.failure = result.failure or failure(None, error)
+    return result
+
+
+def _decoded(
+    spec: DecodeSpec, chunk: Chunk, allocate: transport.BlockAllocator | None
+) -> ChunkResult:
     info = _worker_info
     result = ChunkResult([], [], process="inline" if info is None else f"decode {info.id}")
     samples: list[Any] = list(chunk.raws) if spec.passes_through else []
