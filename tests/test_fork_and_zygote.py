@@ -294,6 +294,25 @@ def test_a_channel_message_carries_descriptors_and_a_body_larger_than_the_socket
         right.close()
 
 
+def test_a_message_of_more_parts_than_one_call_takes_arrives_whole() -> None:
+    """`dumps_data` keeps each large payload as its own part; a message of many (here 1,300
+    parts, past the kernel's 1,024 buffers per call) goes in several calls, none lost."""
+    from aioloader._ipc.channel import dumps_data
+
+    left, right = socket.socketpair()
+    samples = [bytes([n % 256]) * 65_536 for n in range(1_300)]
+    parts = dumps_data(samples)
+    assert len(parts) > 1_024
+    sender = threading.Thread(target=Channel(left).send_bytes, args=(parts,))
+    try:
+        sender.start()
+        assert Channel(right).receive() == samples
+        sender.join(30)
+    finally:
+        left.close()
+        right.close()
+
+
 # -- decode timeouts reach their observer --------------------------------------------------------
 
 

@@ -458,8 +458,36 @@ def test_chunk_messages_send_a_renamed_bound_method_by_value_not_by_its_name() -
     name, which a decorator may have changed; such a method goes by cloudpickle."""
     from aioloader._ipc.channel import dumps_data
 
-    sent = pickle.loads(dumps_data({"decode": _Scaler(3).scale}))
+    sent = pickle.loads(b"".join(dumps_data({"decode": _Scaler(3).scale})))
     assert sent["decode"](7) == 21
+
+
+def test_chunk_messages_go_by_the_standard_pickler_whatever_their_bytes_hold() -> None:
+    """Sample bytes that happen to contain `__main__` are no reason for cloudpickle (they are
+    never searched), while a class of `__main__`, which the other process cannot find by
+    name, still goes by value."""
+    from aioloader._ipc.channel import dumps_data
+
+    raws = [b"x" * 100 + b"__main__" + b"y" * 100, np.frombuffer(b"__main__", np.uint8)]
+    assert b"".join(dumps_data(raws)) == pickle.dumps(raws, pickle.HIGHEST_PROTOCOL)
+    large = [os.urandom(1 << 20), np.arange(1 << 18, dtype=np.float32)]  # sent from their memory
+    parts = dumps_data(large)
+    assert any(part.obj is large[0] for part in parts)
+    assert any(part.nbytes == large[1].nbytes for part in parts)
+    loaded = pickle.loads(b"".join(parts))
+    assert loaded[0] == large[0] and np.array_equal(loaded[1], large[1])
+
+    class Script:
+        pass
+
+    Script.__module__, Script.__qualname__ = "__main__", "Script"
+    main = sys.modules["__main__"]
+    main.Script = Script  # type: ignore[attr-defined]  # found by name here, as a script's
+    try:
+        sent = b"".join(dumps_data([Script()]))
+    finally:
+        del main.Script  # type: ignore[attr-defined]
+    assert b"_make_skeleton_class" in sent and isinstance(pickle.loads(sent)[0], Script)
 
 
 class _ShortFetchMany(aioloader.Dataset):

@@ -23,7 +23,7 @@ import types
 from collections.abc import Iterator, Sequence
 from multiprocessing import context as mp_context
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import cloudpickle
 
@@ -35,6 +35,8 @@ LENGTH = struct.Struct("!Q")
 _READ_SIZE = 64 * 1024
 MAX_FDS = 4
 """Descriptors one message may carry."""
+PARTS_PER_CALL = 512
+"""Buffers given to one `sendmsg` (the kernel takes at most 1024)."""
 
 
 async def read_message(reader: asyncio.StreamReader) -> Any:
@@ -43,9 +45,15 @@ async def read_message(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(LENGTH.unpack(head)[0]))
 
 
-def frame(data: bytes) -> list[bytes]:
-    """A pickled message as it goes on the wire: its head, then its body."""
-    return [LENGTH.pack(len(data)), data]
+Parts = list[memoryview]
+"""A message pickled as the pickler wrote it (`dumps_data`), one byte-format view per write."""
+
+
+def frame(data: bytes | Parts) -> list[bytes | memoryview]:
+    """A pickled message as it goes on the wire: its head, then its body (in parts)."""
+    if isinstance(data, bytes):
+        return [LENGTH.pack(len(data)), data]
+    return [LENGTH.pack(sum(part.nbytes for part in data)), *data]
 
 
 def dumps(value: Any) -> bytes:
@@ -114,33 +122,51 @@ def _as_if_spawning() -> Iterator[None]:
         mp_context.set_spawning_popen(previous)
 
 
-def dumps_data(value: Any) -> bytes:
+def dumps_data(value: Any) -> Parts:
     """The messages of every chunk (its raw items, its result, a batch to the trainer): the
     standard pickler, at a third to a half of cloudpickle's cost per message, where it is
-    exact. It refuses what it cannot find by name; a name in `__main__` is found here but not
-    in the other process, and a bound method is saved as its object's attribute of the
-    function's name (which a decorator may have changed): those go by cloudpickle, as does
-    everything when a module is registered to travel by value."""
+    exact (`_ByName`); what it refuses goes by cloudpickle, as does everything when a module is
+    registered to travel by value. In parts, as the pickler writes them: a large `bytes` or
+    array goes to the socket from its own memory, never copied into a pickle nor searched."""
     if not cloudpickle.list_registry_pickle_by_value():
-        buffer = io.BytesIO()
-        pickler = pickle.Pickler(buffer, pickle.HIGHEST_PROTOCOL)
-        pickler.dispatch_table = _BY_NAME_ONLY
+        parts = _Written()
         try:
-            pickler.dump(value)
+            _ByName(parts, pickle.HIGHEST_PROTOCOL).dump(value)
         except Exception:
             pass  # by value, or not at all: cloudpickle says which
         else:
-            plain = buffer.getvalue()
-            if b"__main__" not in plain:
-                return plain
-    return dumps(value)
+            return parts
+    return [memoryview(dumps(value))]
 
 
-def _by_value(value: Any) -> Any:
-    raise pickle.PicklingError(f"{type(value).__name__} goes by value")
+class _Written(list[memoryview]):
+    """A pickler's file that keeps what it is given: its frames, and each payload of 64 KiB or
+    more (a bytes object, an array's buffer) as it is, which the C pickler writes alone."""
+
+    def write(self, data: Any) -> None:
+        self.append(data.raw() if isinstance(data, pickle.PickleBuffer)
+                    else memoryview(data).cast("B"))
 
 
-_BY_NAME_ONLY = {**copyreg.dispatch_table, types.MethodType: _by_value}
+def _refuse(what: str) -> NoReturn:
+    raise pickle.PicklingError(f"{what} goes by value")
+
+
+_METHODS_REFUSED = {**copyreg.dispatch_table, types.MethodType: lambda _: _refuse("a method")}
+
+
+class _ByName(pickle.Pickler):
+    """The standard pickler, refusing what it would save by a name the other process cannot
+    find or may read otherwise: a class or function of `__main__` (found here, not there),
+    and a bound method (saved as its object's attribute of the function's name, which a
+    decorator may have changed)."""
+
+    dispatch_table = _METHODS_REFUSED
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            _refuse(f"{obj.__qualname__} of __main__")
+        return NotImplemented
 
 
 class Channel:
@@ -154,16 +180,22 @@ class Channel:
     def send(self, message: Any, fds: Sequence[int] = ()) -> None:
         self.send_bytes(dumps(message), fds)
 
-    def send_bytes(self, data: bytes, fds: Sequence[int] = ()) -> None:
-        """One message; `fds` travel with its first byte. Head and body go in one call, so a
-        small message arrives whole."""
-        head, _ = frame(data)
-        descriptors = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        sent = self.socket.sendmsg([head, data], descriptors)
-        if sent < len(head):
-            self.socket.sendall(head[sent:])
-        if sent < len(head) + len(data):  # nothing more to send must not meet a closed peer
-            self.socket.sendall(memoryview(data)[max(0, sent - len(head)):])
+    def send_bytes(self, data: bytes | Parts, fds: Sequence[int] = ()) -> None:
+        """One message; `fds` travel with its first byte. Head and body go in one call (a few
+        hundred parts at a time), so a small message arrives whole."""
+        pending = [memoryview(part).cast("B") for part in frame(data)]
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        first = 0
+        while first < len(pending):  # nothing more to send must not meet a closed peer
+            sent = self.socket.sendmsg(pending[first:first + PARTS_PER_CALL], ancillary)
+            ancillary = []
+            while sent:
+                taken = min(sent, pending[first].nbytes)
+                pending[first] = pending[first][taken:]
+                sent -= taken
+                first += not pending[first].nbytes
+            while first < len(pending) and not pending[first].nbytes:  # empty parts
+                first += 1
 
     def receive(self) -> Any:
         """The next message; EOFError once the other side has closed or died. A small

@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from .._config import LoaderConfig
 from .._errors import LoaderError, RemoteTraceback
-from .._ipc.channel import Channel, dumps, dumps_data, frame, read_message
+from .._ipc.channel import Channel, Parts, dumps, dumps_data, frame, read_message
 from .._ipc.transport import Exported
 from .._loopthread import new_event_loop
 from .._pass.factory import PassFactory
@@ -260,7 +260,7 @@ class Service:
     def _send(self, message: Alive | Stopped | Stats | End | Error | Warned) -> None:
         self._write(dumps(message))
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | Parts) -> None:
         """One message, after telling the client of the blocks removed since the last."""
         self._tell_removed()
         self._frame(data)
@@ -270,7 +270,7 @@ class Service:
         if removed:
             self._frame(dumps(Removed(removed)))
 
-    def _frame(self, data: bytes) -> None:
+    def _frame(self, data: bytes | Parts) -> None:
         assert self._writer is not None
         if not self._writer.is_closing():
             self._writer.writelines(frame(data))
