@@ -29,6 +29,20 @@ _METADATA_NAME = re.compile(r"__[^/]*__($|/)")
 """WebDataset's skip_meta: `__name__` at the top, and whatever is in a `__name__/` folder."""
 
 
+_COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+                 b"\x28\xb5\x2f\xfd": "zstd"}
+"""The magic numbers a compressed shard starts with."""
+
+
+def _compressed(header: bytes) -> str:
+    """What a header that is not tar's was found to be, if a compressed stream."""
+    for magic, kind in _COMPRESSIONS.items():
+        if header.startswith(magic):
+            return (f"; this is a {kind} stream: a compressed shard is not read yet "
+                    "(decompress it, or repack it with `aioloader pack`)")
+    return ""
+
+
 class TarFormatError(LoaderError):
     """A tar shard is damaged or breaks WebDataset's rules; names the shard and the place."""
 
@@ -99,14 +113,16 @@ async def tar_members(
         header = await reader.read(BLOCK)
         if len(header) < BLOCK:
             if header:
-                raise TarFormatError(f"{where}: truncated tar header at offset {at}")
+                raise TarFormatError(
+                    f"{where}: truncated tar header at offset {at}{_compressed(header)}")
             return  # no end-of-archive blocks: accept, as tar does
         if header == bytes(BLOCK):
             return
         try:
             info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
         except (tarfile.TarError, ValueError) as e:
-            raise TarFormatError(f"{where}: bad tar header at offset {at}: {e}") from None
+            raise TarFormatError(
+                f"{where}: bad tar header at offset {at}: {e}{_compressed(header)}") from None
         name = long_name or info.name
         if pax_size is not None and info.type not in _METADATA:
             info.size, pax_size = pax_size, None

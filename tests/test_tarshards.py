@@ -310,6 +310,19 @@ def test_bad_number_in_a_header_names_the_shard_and_offset() -> None:
         parse(member("a.txt", b"a") + bytes(second))
 
 
+def test_a_compressed_shard_is_refused_naming_its_compression() -> None:
+    """WebDataset reads .tar.gz shards; until aioloader does, it says what it found."""
+    import bz2
+    import gzip
+    import os
+
+    for shard in (member("a.txt", os.urandom(4096)), member("a.txt", b"a")):  # also < a block
+        for compress, kind in ((gzip.compress, "gzip"), (bz2.compress, "bzip2")):
+            with pytest.raises(TarFormatError, match=rf"^s\.tar: .* at offset 0.*"
+                                                     rf"this is a {kind} stream"):
+                parse(compress(shard))
+
+
 def test_negative_base256_size_raises_instead_of_swallowing_the_shard() -> None:
     data = member("a.txt", b"", size=-1) + member("b.txt", b"b") + member("c.txt", b"c")
     with pytest.raises(
