@@ -15,7 +15,6 @@ import contextlib
 import copyreg
 import dataclasses
 import io
-import os
 import pickle
 import socket
 import struct
@@ -26,6 +25,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import cloudpickle
+
+from . import shm
 
 if TYPE_CHECKING:  # the zygote and decode processes need no asyncio
     import asyncio
@@ -97,18 +98,18 @@ class _AsIfSpawning:
 
     @staticmethod
     def DupFd(fd: int) -> _Descriptor:
-        return _Descriptor(os.getpid(), fd)
+        return _Descriptor(shm.token_of(fd))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Descriptor:
-    """A descriptor of another process, opened on `detach` as multiprocessing's `DupFd`."""
+    """A descriptor of another process, opened on `detach` as multiprocessing's `DupFd`, and
+    checked as a block's is (its inode, its owner)."""
 
-    pid: int
-    fd: int
+    token: str
 
     def detach(self) -> int:
-        return os.open(f"/proc/{self.pid}/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        return shm.open_block(self.token)
 
 
 @contextlib.contextmanager

@@ -145,7 +145,12 @@ def new_block() -> tuple[str, int]:
     """A fresh, empty block of this process's: its token and the descriptor to hold it by (the
     block lives while this descriptor is open, or while anyone maps it)."""
     descriptor = os.memfd_create(BLOCK_NAME, os.MFD_CLOEXEC)
-    return f"{os.getpid()}:{descriptor}:{os.fstat(descriptor).st_ino}", descriptor
+    return token_of(descriptor), descriptor
+
+
+def token_of(descriptor: int) -> str:
+    """How another process of this user opens this process's `descriptor` (`open_block`)."""
+    return f"{os.getpid()}:{descriptor}:{os.fstat(descriptor).st_ino}"
 
 
 def open_block(token: str) -> int:
