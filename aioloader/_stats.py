@@ -85,8 +85,12 @@ class LoaderStats:
     stream: bool = False
     """The source is a stream, pulled one item at a time: `concurrency` does not apply to it."""
     load_threads: int = 0
-    """Threads per decode process running the dataset's loads (`from_torch`'s `__getitem__`);
-    0 when the items are read in the event loop."""
+    """Threads per decode process running the dataset's loads (`from_torch`'s `__getitem__`,
+    large local files' reads); 0 when the items are read in the event loop."""
+    read_in_decode: bool = False
+    """Local files read in the decode processes, where they are decoded, not in the event loop
+    (large ones: `Files.read_in_decode`); `fetch` and the storage's figures then leave them
+    out, and `decode` counts their reads."""
     decode_processes: int = 0
     busy_seconds: float = 0.0
     """Wall seconds spent inside runs (from first request to end or break)."""
@@ -164,6 +168,12 @@ class LoaderStats:
         workers = max(self.decode_processes, 1)
         # with loads in the decode processes, each runs load_threads samples at once
         decode_share = self.decode.total / (self.busy_seconds * workers * max(self.load_threads, 1))
+        if decode_share > 0.7 and self.read_in_decode:
+            return (
+                f"bound by the decode processes, which read each local file and decode it: a "
+                f"sample took {self.decode.percentile(50) * 1e3:.1f} ms (p50) and kept the "
+                f"{workers} process(es) {min(decode_share, 1):.0%} busy; raise num_workers"
+            )
         if decode_share > 0.7 and self.load_threads:
             return (
                 f"bound by the loads in the decode processes: __getitem__ took "
@@ -218,7 +228,8 @@ class LoaderStats:
             f"{self.samples} samples in {self.batches} batches, {self.samples / seconds:.0f} "
             f"samples/s; {self.bytes_read / 1e6:.1f} MB in {self.requests} requests, "
             f"{self.retries} retries, {self.skipped} skipped",
-            f"fetch per sample:      {self.fetch.describe()}",
+            f"fetch per sample:      {self.fetch.describe()}" if not self.read_in_decode else
+            "fetch per sample:      none here: local files are read in the decode processes",
             f"decode per sample:     {self.decode.describe()}",
             f"batch waits in queue:  {self.queue_wait.describe()}",
             f"consumer waits:        {self.consumer_wait.describe()}",

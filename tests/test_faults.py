@@ -150,12 +150,13 @@ def peak_memory_while_the_consumer_stops(
 def test_a_stopped_consumer_keeps_memory_within_memory_limit(
     tmp_path: Path, service: str | None
 ) -> None:
-    """1 MiB raw samples decoded to 2 MiB: read ahead without a limit, the loader would hold
-    hundreds of MB while the consumer stops."""
+    """Raw samples of 960 KiB decoded to 2 MiB: read ahead without a limit, the loader would
+    hold hundreds of MB while the consumer stops. (Under 1 MiB, so read in the event loop:
+    larger local files are read in the decode processes, and nothing is read ahead of them.)"""
     paths = []
     for i in range(400):
         path = tmp_path / f"{i:04d}.bin"
-        path.write_bytes(i.to_bytes(4, "little") + bytes(1 << 20))
+        path.write_bytes(i.to_bytes(4, "little") + bytes(960 << 10))
         paths.append(str(path))
     limit = 64 << 20
     bounded = peak_memory_while_the_consumer_stops(paths, limit, service)

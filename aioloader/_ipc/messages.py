@@ -100,6 +100,9 @@ class ChunkResult:
     copy_state: Any = None
     """An IterableDataset's chunk: where the worker's copy stood after it
     (`FromTorchIterable.snapshot`)."""
+    read_errors: dict[int, Exception] = field(default_factory=dict)
+    """By sample index: a read in the decode process that failed (a `FetchError` of a file
+    read there), raised or skipped as a failed read, not as a failed decode."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled for the main process: tensor views travel as their own elements."""

@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -22,6 +23,7 @@ from .._closing import ProcessBound
 from .._collate import default_collate
 from .._config import LoaderConfig
 from .._datasets import Dataset, Stream
+from .._datasets.files import Files
 from .._datasets.torchiter import FromTorchIterable
 from .._errors import LoaderError
 from .._ipc import shm
@@ -76,6 +78,11 @@ class PassFactory:
         self.config = config
         self.share = share
         dataset = config.dataset
+        if (isinstance(dataset, Files) and config.num_workers
+                and (executor is None or isinstance(executor, Executor))):
+            dataset = dataset.read_in_decode() or dataset  # on this machine: read there
+        self.dataset = dataset
+        """The data as the passes read it (large local files: in the decode processes)."""
         if config.cache is not None:
             config.cache.attach(len(cast(Dataset, dataset)))
         self.concurrency = config.concurrency
@@ -96,6 +103,7 @@ class PassFactory:
                          else (None, 1) if isinstance(dataset, Stream)
                          else dataset.load_in_workers() or (None, 1))
         self.stats.load_threads = threads if load is not None else 0
+        self.stats.read_in_decode = dataset is not config.dataset
         self.spec = DecodeSpec(
             config.decode, config.collate if config.batch_size else None, config.skip_errors,
             config.seed, config.augment, config.cache, load, threads,
@@ -197,8 +205,7 @@ class PassFactory:
 
     def build(self, epoch: int, start: int, remaining: Intervals | None,
               copies: dict[str, Any] | None = None) -> Pass:
-        config, stats, share = self.config, self.stats, self.share
-        dataset = config.dataset
+        config, stats, share, dataset = self.config, self.stats, self.share, self.dataset
         pass_config = self.pass_config(epoch)
         # a stream is pulled one item at a time, whatever it reads ahead itself
         stats.concurrency = 1 if isinstance(dataset, Stream) else self.concurrency

@@ -35,7 +35,7 @@ from .._tasks import TaskSet
 from .._worker.decode import join_results, join_rows
 from ..storage._storage import Storage
 from .budget import MemoryBudget
-from .feeds import SKIPPED, Pending, estimate_bytes
+from .feeds import SKIPPED, Pending, estimate_bytes, fetch_failure
 from .handover import EMPTY, Failed, Finished, Handover
 
 T = TypeVar("T")
@@ -664,10 +664,19 @@ class Pass:
         self, pending: Pending, kept: list[int], result: ChunkResult
     ) -> BaseException | None:
         stats = self._stats
+
+        def sample_error(index: int, position: int, reason: str,
+                         original: type[Exception] | None) -> SampleError:
+            """A sample's failure in decode, or in its read there (as a read's failure)."""
+            key = self._source.key(pending, position)
+            read_error = result.read_errors.get(index)
+            if read_error is not None:
+                return fetch_failure(index, key, read_error)
+            return typed(SampleError, original)(index, key, "decode", reason)
+
         for position, reason in result.skipped:
-            key = self._source.key(pending, kept[position])
-            stats.record_skip(str(SampleError(pending.indices[kept[position]], key, "decode",
-                                              reason)))
+            skipped = pending.indices[kept[position]]
+            stats.record_skip(str(sample_error(skipped, kept[position], reason, None)))
         if result.failure is None:
             stats.samples += len(kept) - len(result.skipped)
             return None
@@ -677,9 +686,7 @@ class Pass:
             error: LoaderError = typed(LoaderError, original)(
                 f"collate failed for samples {pending.indices[:8]}: {reason}")
         else:
-            position = pending.indices.index(index)
-            error = typed(SampleError, original)(
-                index, self._source.key(pending, position), "decode", reason)
+            error = sample_error(index, pending.indices.index(index), reason, original)
         error.__cause__ = RemoteTraceback(text)
         return error
 

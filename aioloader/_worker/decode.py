@@ -24,7 +24,7 @@ from .._collate import (
     default_collate,
     scalar_dtype,
 )
-from .._errors import Exhausted, type_name
+from .._errors import Exhausted, FetchError, type_name
 from .._ipc import transport
 from .._ipc.messages import Chunk, ChunkResult, Layout
 from .._sampling import sample_rng
@@ -202,6 +202,8 @@ def _decoded(
                     allocate.discard()
             break
         if isinstance(outcome, _Failure):
+            if isinstance(outcome.error, FetchError):
+                result.read_errors[chunk.indices[position]] = outcome.error
             if not spec.skip_errors:
                 result.failure = (chunk.indices[position], outcome.reason, outcome.traceback,
                                   outcome.kind)
@@ -409,6 +411,7 @@ def _joined_by(results: list[ChunkResult], sizes: list[int],
         joined.skipped += [(offset + position, reason) for position, reason in result.skipped]
         if result.failure is not None and joined.failure is None:
             joined.failure = result.failure
+        joined.read_errors.update(result.read_errors)
         offset += size
     batches = [result.items[0] for result in results if result.items]
     if joined.failure is None and batches:
@@ -461,6 +464,8 @@ class _Failure:
     traceback: str
     kind: str
     """The error's type (`type_name`): raised with it in the consumer's process."""
+    error: Exception | None = None
+    """A read's FetchError (a file read here): it travels as it is."""
 
 
 def failure(index: int | None, error: Exception) -> tuple[int | None, str, str, str]:
@@ -484,6 +489,8 @@ def _one(spec: DecodeSpec, epoch: int, index: int, raw: Any) -> Outcome:
         sample = spec.sample(epoch, index, raw)
     except Exhausted:
         return EXHAUSTED
+    except FetchError as e:
+        return _Failure(str(e), traceback.format_exc(), type_name(e), e)
     except Exception as e:
         return _Failure(one_line(e), traceback.format_exc(), type_name(e))
     return sample, started, now()

@@ -141,6 +141,15 @@ class LocalStore:
         self._executor.shutdown(wait=True)
 
 
+def read_path(path: str) -> bytes:
+    """A whole local file, read in the calling thread (a decode process reads its samples'
+    files so); FetchError naming it when it cannot be."""
+    try:
+        return _read_file(path, None, None)
+    except OSError as e:
+        raise _error(path, e) from e
+
+
 def _read_file(path: str, start: int | None, end: int | None) -> bytes:
     with open(path, "rb") as file:
         if start is None:

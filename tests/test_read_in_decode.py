@@ -1,0 +1,108 @@
+"""Large local files are read in the decode processes, where they are decoded, as DataLoader's
+workers read theirs: their bytes never cross the loader's event loop nor its channel to
+decode. Measured at the process boundary, by the kernel's own count of each process's reads and
+writes (/proc/PID/io), over every process of the job."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+
+import aioloader
+
+MIB = 1 << 20
+SAMPLE = 32 * MIB
+
+
+def first_byte_and_pid(raw: bytes) -> np.ndarray[Any, Any]:
+    """A sample's first byte and the process that decoded it: the batch's way back costs next
+    to nothing."""
+    return np.array([raw[0], os.getpid()])
+
+
+def labelled(raw: tuple[bytes, int]) -> tuple[int, int]:
+    return len(raw[0]), raw[1]
+
+
+def large_files(folder: Path, count: int, size: int = SAMPLE) -> list[str]:
+    paths = []
+    for n in range(count):
+        path = folder / f"{n:03d}.bin"
+        path.write_bytes(bytes([n]) * size)
+        paths.append(str(path))
+    return paths
+
+
+def job_io() -> dict[int, int]:
+    """Bytes read by read(2) and its kin, files and pipes alike (a socket's recvmsg is not
+    counted), by this process and each of its descendants, by pid."""
+    counts = {}
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            counts[process.pid] = process.io_counters().read_chars
+    return counts
+
+
+@pytest.mark.parametrize("service", [None, "process"])
+def test_a_large_local_file_goes_to_its_decode_process_by_name(
+        tmp_path: Path, service: str | None) -> None:
+    paths = large_files(tmp_path, 4)
+    loader = aioloader.Loader(aioloader.Files(paths), decode=first_byte_and_pid, batch_size=1,
+                              num_workers=2, persistent_workers=True, service=service)
+    with loader:
+        first = [int(batch[0, 0]) for batch in loader]  # every process started
+        before = job_io()
+        batches = list(loader)
+        after = job_io()
+        stats = loader.stats
+    assert sorted(first) == sorted(int(batch[0, 0]) for batch in batches) == [0, 1, 2, 3]
+    decoders = {int(batch[0, 1]) for batch in batches}
+    read = {True: 0, False: 0}
+    for pid in before.keys() & after.keys():
+        read[pid in decoders] += after[pid] - before[pid]
+    # each file read by the process that decodes it, and by no other (through the event loop it
+    # was read by the main process or the service, and sent on)
+    assert 4 * SAMPLE <= read[True] < 5 * SAMPLE, read[True] / MIB
+    assert read[False] < SAMPLE // 4, read[False] / MIB
+    assert stats.read_in_decode
+    assert "local files are read in the decode processes" in stats.report()
+
+
+def test_small_local_files_are_read_in_the_event_loop(tmp_path: Path) -> None:
+    paths = large_files(tmp_path, 20, size=4096)
+    loader = aioloader.Loader(aioloader.Files(paths), decode=first_byte_and_pid, batch_size=4,
+                              num_workers=2, service=None)
+    assert sorted(int(b[0]) for batch in loader for b in batch) == list(range(20))
+    assert not loader.stats.read_in_decode
+    assert loader.stats.bytes_read == 20 * 4096
+
+
+@pytest.mark.parametrize("service", [None, "process"])
+def test_a_large_file_that_cannot_be_read_fails_as_a_read_naming_it(
+        tmp_path: Path, service: str | None) -> None:
+    paths = large_files(tmp_path, 3, size=2 * MIB)
+    missing = str(tmp_path / "gone.bin")
+    paths.insert(1, missing)
+    loader = aioloader.Loader(aioloader.Files(paths, labels=[0, 1, 2, 3]), decode=labelled,
+                              batch_size=1, num_workers=2, service=service)
+    with pytest.raises(aioloader.FetchError) as caught:
+        list(loader)
+    error = caught.value
+    assert isinstance(error, aioloader.SampleError)
+    assert (error.index, error.key, error.stage, error.url) == (1, missing, "fetch", missing)
+    assert f"fetch failed for sample 1 (key {missing!r}): reading {missing} failed: " \
+           "FileNotFoundError" in str(error)
+
+    skipping = aioloader.Loader(aioloader.Files(paths, labels=[0, 1, 2, 3]), decode=labelled,
+                                batch_size=1, num_workers=2, service=service, on_error="skip")
+    labels = [int(batch[1][0]) for batch in skipping]
+    assert labels == [0, 2, 3]
+    assert skipping.stats.skipped == 1
+    assert list(skipping.stats.skip_reasons) == [str(error)]
+    assert os.path.getsize(paths[0]) == 2 * MIB
