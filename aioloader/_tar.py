@@ -1,20 +1,25 @@
 """Tar archives read as a stream of chunks, and WebDataset's rules for grouping files.
 
 Handles what Python's `tarfile` and GNU tar write: ustar names with prefixes, GNU long names
-(type L) and pax headers (type x, `path=`). Only regular files are yielded.
+(type L), pax headers (type x, `path=`, `size=`) and sparse files (GNU's type S, and pax's
+sparse formats 0.0, 0.1 and 1.0), given whole, holes included, as `tarfile` gives them. Only
+regular files are yielded.
 """
 
 from __future__ import annotations
 
+import bz2
+import lzma
 import re
 import tarfile
-from collections.abc import AsyncGenerator, AsyncIterator
+import zlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any
 
 from ._errors import LoaderError
 
 BLOCK = 512
-_REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)
+_REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE, tarfile.GNUTYPE_SPARSE)
 _PAX_LENGTH = re.compile(rb"([0-9]{1,20}) ")
 """A pax record's decimal length and the space after it; 20 digits is already absurd."""
 MAX_MEMBER_BYTES = 2 << 30
@@ -34,13 +39,67 @@ _COMPRESSIONS = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
 """The magic numbers a compressed shard starts with."""
 
 
+def compression_of(head: bytes) -> str | None:
+    """The compression a shard's first bytes name, if any."""
+    for magic, kind in _COMPRESSIONS.items():
+        if head.startswith(magic):
+            return kind
+    return None
+
+
 def _compressed(header: bytes) -> str:
     """What a header that is not tar's was found to be, if a compressed stream."""
-    for magic, kind in _COMPRESSIONS.items():
-        if header.startswith(magic):
-            return (f"; this is a {kind} stream: a compressed shard is not read yet "
-                    "(decompress it, or repack it with `aioloader pack`)")
-    return ""
+    kind = compression_of(header)
+    if kind is None:
+        return ""
+    return (f"; this is a {kind} stream where a tar header should be (a compressed shard "
+            "is read only whole, from its first byte)")
+
+
+INFLATED_CHUNK = 4 << 20
+"""The most a compressed chunk gives at once: a small chunk of zeros can inflate a
+thousandfold."""
+_DECOMPRESSORS: dict[str, Callable[[], Any]] = {
+    "gzip": lambda: zlib.decompressobj(wbits=31),
+    "bzip2": bz2.BZ2Decompressor,
+    "xz": lzma.LZMADecompressor,
+}
+
+
+def _inflate(decompressor: Any, data: bytes) -> Iterator[bytes]:
+    """What `data` decompresses to, INFLATED_CHUNK at most at a time, up to its stream's end."""
+    while not decompressor.eof:
+        out = decompressor.decompress(data, INFLATED_CHUNK)
+        data = getattr(decompressor, "unconsumed_tail", b"")  # zlib's; bz2 and lzma keep it
+        if not out and not data:
+            return
+        if out:
+            yield out
+
+
+async def inflated(chunks: AsyncIterator[bytes], where: str, kind: str
+                   ) -> AsyncGenerator[bytes, None]:
+    """A compressed shard's chunks, decompressed (gzip, bzip2, xz: what Python's `tarfile`
+    and so WebDataset read; streams one after another too, as gzip writes them), at most
+    INFLATED_CHUNK at a time."""
+    if kind not in _DECOMPRESSORS:
+        raise TarFormatError(f"{where}: a {kind} stream: only gzip, bzip2 and xz shards are "
+                             "read (as Python's tarfile reads them); decompress it")
+    decompressor = _DECOMPRESSORS[kind]()
+    try:
+        async for chunk in chunks:
+            while chunk:
+                if decompressor.eof:
+                    if not chunk.strip(b"\0"):  # zero padding after the last stream
+                        break
+                    decompressor = _DECOMPRESSORS[kind]()
+                for out in _inflate(decompressor, chunk):
+                    yield out
+                chunk = decompressor.unused_data if decompressor.eof else b""
+    except (zlib.error, OSError, lzma.LZMAError, EOFError) as e:
+        raise TarFormatError(f"{where}: the {kind} stream is damaged: {e}") from None
+    if not decompressor.eof:
+        raise TarFormatError(f"{where}: the {kind} stream ends before its end")
 
 
 class TarFormatError(LoaderError):
@@ -102,9 +161,10 @@ async def tar_members(
     reader = _Reader(chunks)
     reader.offset = base
     long_name: str | None = None
-    pax_size: int | None = None
-    """A pax header's `size`, which overrides the next member's header (over 8 GiB, the
-    header's field cannot hold it and says 0)."""
+    pax: list[tuple[bytes, str]] = []
+    """The records of the pax header before the next member: its `size` overrides the
+    header's (over 8 GiB, the header's field cannot hold it and says 0), and `GNU.sparse.*`
+    make it a sparse file."""
     first_block: int | None = None
     while True:
         at = reader.offset
@@ -124,17 +184,27 @@ async def tar_members(
             raise TarFormatError(
                 f"{where}: bad tar header at offset {at}: {e}{_compressed(header)}") from None
         name = long_name or info.name
-        if pax_size is not None and info.type not in _METADATA:
-            info.size, pax_size = pax_size, None
+        sparse: _Sparse | None = None
+        if info.type not in _METADATA:
+            records = dict(pax)
+            name = records.get(b"GNU.sparse.name") or name
+            size = _pax_number(records, b"size", where, at)
+            info.size = info.size if size is None else size
+            if info.type == tarfile.GNUTYPE_SPARSE:
+                sparse = await _old_gnu_sparse(header, reader, where, at)
+            else:
+                sparse = _pax_sparse(pax, where, at)
+            pax = []
         if info.size < 0:
             raise TarFormatError(
                 f"{where}: tar member {name!r} at offset {at} declares a negative size "
                 f"({info.size})"
             )
         limit = MAX_METADATA_BYTES if info.type in _METADATA else max_member_bytes
-        if info.size > limit:
+        declared = max(info.size, sparse.size if sparse is not None else 0)
+        if declared > limit:
             raise TarFormatError(
-                f"{where}: tar member {name!r} at offset {at} declares {info.size} bytes, "
+                f"{where}: tar member {name!r} at offset {at} declares {declared} bytes, "
                 f"over the limit of {limit} bytes"
             )
         kept = keep_data or info.type in _METADATA
@@ -149,15 +219,125 @@ async def tar_members(
         if info.type == tarfile.GNUTYPE_LONGNAME:
             long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE):
-            records = _pax_records(data, where, at + BLOCK)
+            records_here = _pax_records(data, where, at + BLOCK)
             if info.type == tarfile.XHDTYPE:
-                long_name = records.get(b"path", "") or long_name
-                pax_size = _pax_number(records, b"size", where, at)
+                long_name = dict(records_here).get(b"path", "") or long_name
+                pax = records_here
         elif info.type in _REGULAR:
+            if sparse is not None and kept:
+                data = sparse.expand(data, f"{where}: sparse tar member {name!r} at offset {at}")
             yield name, data, first_block
             long_name = first_block = None
         else:
             long_name = first_block = None
+
+
+class _Sparse:
+    """Where a sparse file's stored pieces lie in the file, and its whole size: its data is
+    the pieces, one after another (format 1.0: after a map of them, in decimal lines)."""
+
+    def __init__(self, size: int, regions: list[tuple[int, int]] | None) -> None:
+        self.size = size
+        self.regions = regions
+        """(offset, length) of each piece; None: the map leads the data (format 1.0)."""
+
+    def expand(self, data: bytes, what: str) -> bytes:
+        """The file, holes included, from its stored data."""
+        regions, stored = self.regions, 0
+        if regions is None:
+            regions, stored = _leading_map(data, what)
+        whole = bytearray(self.size)
+        for offset, length in regions:
+            if offset + length > self.size or stored + length > len(data):
+                raise TarFormatError(
+                    f"{what}: its map places {length} bytes at {offset}, past the file's "
+                    f"{self.size} bytes or the {len(data) - stored} bytes stored")
+            whole[offset : offset + length] = data[stored : stored + length]
+            stored += length
+        return bytes(whole)
+
+
+def _leading_map(data: bytes, what: str) -> tuple[list[tuple[int, int]], int]:
+    """Format 1.0's map at the start of a sparse file's data ("count\n" then "offset\n" and
+    "length\n" for each piece, padded to a block), and where the pieces start."""
+    numbers: list[int] = []
+    position = 0
+    while not numbers or len(numbers) < 1 + 2 * numbers[0]:
+        end = data.find(b"\n", position, position + 21)
+        if end < 0 or not data[position:end].isdigit():
+            raise TarFormatError(f"{what}: its sparse map is not lines of numbers at byte "
+                                 f"{position}: {data[position : position + 21]!r}")
+        numbers.append(int(data[position:end]))
+        position = end + 1
+    pairs = numbers[1:]
+    return list(zip(pairs[::2], pairs[1::2], strict=True)), -(-position // BLOCK) * BLOCK
+
+
+async def _old_gnu_sparse(header: bytes, reader: _Reader, where: str, at: int) -> _Sparse:
+    """GNU's own sparse member (type S): four pieces in its header, more in the blocks after it
+    (21 each) while a block says more follow; its whole size at byte 483 of the header."""
+    regions, block, more = _gnu_regions(header[386:482], 4), header, header[482]
+    while more:
+        block = await reader.read(BLOCK)
+        if len(block) < BLOCK:
+            raise TarFormatError(f"{where}: truncated sparse header after offset {at}")
+        regions += _gnu_regions(block[:504], 21)
+        more = block[504]
+    try:
+        size = _octal(header[483:495])
+    except ValueError:
+        raise TarFormatError(f"{where}: bad sparse header at offset {at}: its size "
+                             f"{header[483:495]!r}") from None
+    return _Sparse(size, regions)
+
+
+def _gnu_regions(data: bytes, count: int) -> list[tuple[int, int]]:
+    """The (offset, length) pairs of a GNU sparse header's slots, up to the first empty one."""
+    regions = []
+    for slot in range(count):
+        field = data[slot * 24 : slot * 24 + 24]
+        if not field.strip(b"\0"):
+            break
+        regions.append((_octal(field[:12]), _octal(field[12:])))
+    return regions
+
+
+def _octal(field: bytes) -> int:
+    """A tar number field: octal digits, or base-256 with the top bit set (GNU's for large
+    numbers)."""
+    if field[:1] == b"\x80":
+        return int.from_bytes(field[1:], "big")
+    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+def _pax_sparse(records: list[tuple[bytes, str]], where: str, at: int) -> _Sparse | None:
+    """A sparse file's map from the pax header before it (GNU's formats 0.0, 0.1 and 1.0);
+    None when it is not sparse."""
+    found = dict(records)
+    size = (_pax_number(found, b"GNU.sparse.realsize", where, at)
+            if b"GNU.sparse.realsize" in found else _pax_number(found, b"GNU.sparse.size",
+                                                                 where, at))
+    if found.get(b"GNU.sparse.major") == "1":
+        regions = None
+    elif b"GNU.sparse.map" in found:
+        numbers = found[b"GNU.sparse.map"].split(",")
+        if len(numbers) % 2 or not all(n.isdigit() for n in numbers):
+            raise TarFormatError(f"{where}: pax header at offset {at} gives a sparse map that "
+                                 f"is not pairs of numbers: {found[b'GNU.sparse.map'][:40]!r}")
+        regions = list(zip(map(int, numbers[::2]), map(int, numbers[1::2]), strict=True))
+    elif b"GNU.sparse.offset" in found:
+        offsets = [int(v) for k, v in records if k == b"GNU.sparse.offset" and v.isdigit()]
+        lengths = [int(v) for k, v in records if k == b"GNU.sparse.numbytes" and v.isdigit()]
+        if len(offsets) != len(lengths):
+            raise TarFormatError(f"{where}: pax header at offset {at} gives {len(offsets)} "
+                                 f"sparse offsets for {len(lengths)} lengths")
+        regions = list(zip(offsets, lengths, strict=True))
+    else:
+        return None
+    if size is None:
+        raise TarFormatError(f"{where}: pax header at offset {at} describes a sparse file "
+                             "without its size (GNU.sparse.realsize or GNU.sparse.size)")
+    return _Sparse(size, regions)
 
 
 def _pax_number(records: dict[bytes, str], keyword: bytes, where: str, at: int) -> int | None:
@@ -171,14 +351,15 @@ def _pax_number(records: dict[bytes, str], keyword: bytes, where: str, at: int) 
     return int(value)
 
 
-def _pax_records(data: bytes, where: str, offset: int) -> dict[bytes, str]:
-    """The records of a pax extended header ("<length> <keyword>=<value>\\n" each), by
-    keyword; a later record of a keyword wins, as in tar.
+def _pax_records(data: bytes, where: str, offset: int) -> list[tuple[bytes, str]]:
+    """The records of a pax extended header ("<length> <keyword>=<value>\\n" each), as
+    (keyword, value) in order: by `dict`, a later record of a keyword wins, as in tar; sparse
+    format 0.0 repeats its keywords.
 
     Every record's framing is checked, so no length can stall or misplace the walk. `offset`
     is where `data` starts in the shard. As in CPython's tarfile, a NUL byte ends the records.
     """
-    records: dict[bytes, str] = {}
+    records: list[tuple[bytes, str]] = []
     position = 0
     while position < len(data) and data[position] != 0:
         match = _PAX_LENGTH.match(data, position)
@@ -190,7 +371,7 @@ def _pax_records(data: bytes, where: str, offset: int) -> dict[bytes, str]:
                 f"{where}: bad pax header record at offset {offset + position}: "
                 f"{data[position : position + 40]!r}"
             )
-        records[keyword] = value.decode("utf-8", "surrogateescape")
+        records.append((keyword, value.decode("utf-8", "surrogateescape")))
         position = end
     return records
 

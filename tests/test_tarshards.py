@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 import tarfile
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -310,8 +311,9 @@ def test_bad_number_in_a_header_names_the_shard_and_offset() -> None:
         parse(member("a.txt", b"a") + bytes(second))
 
 
-def test_a_compressed_shard_is_refused_naming_its_compression() -> None:
-    """WebDataset reads .tar.gz shards; until aioloader does, it says what it found."""
+def test_a_compressed_archive_where_a_range_is_read_names_its_compression() -> None:
+    """A compressed shard is read whole, from its first byte (TarShards): where a range of one
+    is parsed as tar, the error says what was found."""
     import bz2
     import gzip
     import os
@@ -454,3 +456,67 @@ def test_a_pax_size_overrides_the_headers_as_for_members_over_8_gib() -> None:
         parse(overridden("x", b""))
     with pytest.raises(TarFormatError, match="over the limit"):  # before any of it is read
         parse(overridden(str(20 * 2**30), b""))
+
+
+def compressed_shards(folder: Path, kind: str, shards: int, per_shard: int) -> list[str]:
+    """Shards as write_shards makes them, each compressed whole (gzip: `.tar.gz`, as
+    WebDataset's are)."""
+    import bz2
+    import gzip
+    import lzma
+
+    compress = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress}[kind]
+    names = write_shards(folder, shards, per_shard)
+    for n, name in enumerate(names):
+        plain = folder / name
+        names[n] = f"{name}.{kind}"
+        (folder / names[n]).write_bytes(compress(plain.read_bytes()))
+        plain.unlink()
+    return names
+
+
+@pytest.mark.parametrize("kind", ["gzip", "bzip2", "xz"])
+def test_compressed_shards_divide_by_samples_and_each_is_read_once_a_pass(
+        tmp_path: Path, kind: str) -> None:
+    """A compressed shard cannot be read by ranges: a rank reads it from its first byte,
+    once a pass, whatever the number of pieces its share is read in, and every rank still
+    gets as many samples (its index counts them, once)."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    names = compressed_shards(folder, kind, shards=3, per_shard=600)
+    with TestServer(folder) as server:
+        urls = [server.url + name for name in names]
+        shards = aioloader.TarShards(urls, shuffle_buffer=100, index_dir=tmp_path / "index")
+        kept = [json.loads(p.read_text()) for p in (tmp_path / "index").iterdir()]
+        assert {k["compression"] for k in kept} == {kind}
+        for world_size in (1, 2, 3):
+            shares = []
+            for rank in range(world_size):
+                loader = aioloader.Loader(shards, decode=label, batch_size=10, shuffle=True,
+                                          num_workers=0, rank=rank, world_size=world_size)
+                before = server.stats()["requests"]
+                shares.append(labels_of(loader))
+                # one GET a shard, of those it reads (a rank's share ends in one, or two)
+                assert server.stats()["requests"] - before <= len(names)
+            assert sorted(x for share in shares for x in share) == list(range(1800))
+            assert {len(share) for share in shares} == {1800 // world_size}
+        again = server.stats()["requests"]
+        assert aioloader.TarShards(urls, index_dir=tmp_path / "index").starts == shards.starts
+        assert server.stats()["requests"] - again == 2 * len(names)  # sizes and indexes, no scan
+
+
+def test_a_damaged_or_unread_compressed_shard_names_the_shard_and_what_is_wrong(
+        tmp_path: Path) -> None:
+    import gzip
+
+    shard = gzip.compress(member("a.txt", b"a" * 5000) + member("b.txt", b"b"))
+    cases = {
+        "cut.tar.gz": (shard[:-20], "the gzip stream ends before its end"),
+        "bad.tar.gz": (shard[:30] + bytes(40) + shard[70:], "the gzip stream is damaged"),
+        "z.tar.zst": (b"\x28\xb5\x2f\xfd" + bytes(600),
+                      "a zstd stream: only gzip, bzip2 and xz shards are read"),
+    }
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(TarFormatError, match=rf"{re.escape(name)}: {message}"):
+            aioloader.TarShards(str(tmp_path / name), index_dir=tmp_path / "index")

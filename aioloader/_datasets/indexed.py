@@ -58,7 +58,8 @@ class IndexedStream(Stream):
         self, reads: storage.Storage, unit: int, start: int, stop: int, memo: dict[Any, Any]
     ) -> Sequence[Any]:
         """Samples `start` up to `stop` of `unit`, in storage order. `memo` lives as long as
-        one iteration, for what reads of neighbouring pieces share (a decoded row group)."""
+        one iteration, for what reads of neighbouring pieces share (a decoded row group, a
+        compressed shard's pass); what it holds with an `aclose` is closed with it."""
 
     def read_weight(self, unit: int, count: int) -> int:
         """Roughly what reading `count` samples of `unit` holds in memory, for the budget."""
@@ -163,10 +164,15 @@ class IndexedStream(Stream):
                     read, weight = job(s, e)
                     yield functools.partial(after_early, read, early if n == 0 else 0), weight
 
-            async for ids, items in ordered_ahead(jobs(), self.pieces_ahead, budget,
-                                                  info.read_room):
-                for pair in zip(ids.tolist(), items, strict=True):
-                    yield pair
+            try:
+                async for ids, items in ordered_ahead(jobs(), self.pieces_ahead, budget,
+                                                      info.read_room):
+                    for pair in zip(ids.tolist(), items, strict=True):
+                        yield pair
+            finally:  # what the reads kept open in the memo (a shard's pass: _Unpacked)
+                for kept in memo.values():
+                    if hasattr(kept, "aclose"):
+                        await kept.aclose()
 
     def _sample_bytes(self) -> int:
         """What a sample holds once read, on average."""

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,8 @@ from .._tar import (
     BLOCK,
     MAX_MEMBER_BYTES,
     TarFormatError,
+    compression_of,
+    inflated,
     sample_starts,
     samples,
     split_name,
@@ -30,6 +31,7 @@ from .._tar import (
 )
 from ..storage import _storage as storage
 from .indexed import IndexedStream
+from .kept import index_folder, keep, kept_path
 from .streaming import expand_braces
 
 INDEX_SUFFIX = ".index.json"
@@ -54,6 +56,10 @@ class TarShards(IndexedStream):
     the user's cache), keyed by the shard's URL and size. An index beside a shard that does
     not fit it (another size, a start where no tar header lies, samples before its first
     start) is a TarFormatError naming both; a kept one is made again.
+
+    A compressed shard (gzip, bzip2, xz: WebDataset reads `.tar.gz`) has no ranges to read:
+    its kept index counts its samples, and a rank reads it from its first byte, once per
+    epoch, decompressing it up to the end of its share.
 
     With the Loader's `shuffle=True`, the shard order is shuffled per epoch with the seed, and
     samples are shuffled within windows of `shuffle_buffer` consecutive samples (0 or 1: not
@@ -81,8 +87,13 @@ class TarShards(IndexedStream):
         self.window = max(1, shuffle_buffer)
         self.pieces_ahead = shards_ahead
         self.max_member_bytes = max_member_bytes
-        folder = Path(index_dir) if index_dir is not None else default_index_dir()
-        self.starts = run_sync(_load_indexes(self.urls, folder, max_member_bytes))
+        folder = index_folder(index_dir, "tar-index")
+        indexes = run_sync(_load_indexes(self.urls, folder, max_member_bytes))
+        self.starts = [starts for starts, _ in indexes]
+        """Where each sample of a shard starts (in the decompressed archive), then its end."""
+        self.compressions = [compression for _, compression in indexes]
+        if any(self.compressions):  # a compressed shard's ranges are read from its start
+            self.first_apart = False
         self.unit_sizes = np.array([len(s) - 1 for s in self.starts], np.int64)
         if not self.unit_sizes.sum():
             raise ValueError(f"the tar shards hold no samples: {self.urls[:3]}...")
@@ -97,8 +108,17 @@ class TarShards(IndexedStream):
         self, reads: storage.Storage, unit: int, start: int, stop: int, memo: dict[Any, Any]
     ) -> Sequence[Any]:
         """One ranged read of the bytes of samples start..stop, parsed as they arrive."""
-        url, starts = self.urls[unit], self.starts[unit]
-        chunks = reads.stream(url, starts[start], starts[stop])
+        url, starts, compression = self.urls[unit], self.starts[unit], self.compressions[unit]
+        if compression is None:
+            return await self._parsed(reads.stream(url, starts[start], starts[stop]), url,
+                                      starts, start, stop)
+        async with memo.setdefault(("lock", unit), asyncio.Lock()):  # one take at a time
+            archive = await _Unpacked.at(memo, unit, starts[start], reads, url, compression)
+            return await self._parsed(archive.take(starts[start], starts[stop]), url, starts,
+                                      start, stop)
+
+    async def _parsed(self, chunks: AsyncGenerator[bytes, None], url: str, starts: list[int],
+                      start: int, stop: int) -> list[dict[str, Any]]:
         async with aclosing(chunks), aclosing(
             tar_members(chunks, url, self.max_member_bytes, base=starts[start])
         ) as members, aclosing(samples(members, url)) as grouped:
@@ -112,17 +132,63 @@ class TarShards(IndexedStream):
         return found
 
 
-def default_index_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "aioloader" / "tar-index"
+class _Unpacked:
+    """A compressed shard, decompressed from its first byte and taken in ranges in order: a
+    rank reads its pieces of a shard in order, so one pass over the shard serves them all (a
+    range before where it stands starts a new pass). Kept in an iteration's memo, and closed
+    with it."""
+
+    def __init__(self, reads: storage.Storage, url: str, compression: str) -> None:
+        self._source = reads.stream(url)
+        self._archive = inflated(self._source, url, compression)
+        self.position = 0
+        self._left = b""
+
+    @classmethod
+    async def at(cls, memo: dict[Any, Any], unit: int, start: int, reads: storage.Storage,
+                 url: str, compression: str) -> _Unpacked:
+        """The memo's pass over `unit`, or a new one if that stands past `start`."""
+        found: _Unpacked | None = memo.get(unit)
+        if found is None or found.position > start:
+            if found is not None:
+                await found.aclose()
+            found = memo[unit] = cls(reads, url, compression)
+        return found
+
+    async def _next(self) -> bytes:
+        chunk, self._left = self._left or await anext(self._archive, b""), b""
+        return chunk
+
+    async def take(self, start: int, end: int) -> AsyncGenerator[bytes, None]:
+        """The archive's bytes from `start` to `end` (or its end), what comes before passed
+        over."""
+        while self.position < end:
+            chunk = await self._next()
+            if not chunk:
+                return
+            skipped = min(len(chunk), max(0, start - self.position))
+            used = min(len(chunk) - skipped, end - self.position - skipped)
+            self._left = chunk[skipped + used :]
+            self.position += skipped + used
+            if used:
+                yield chunk[skipped : skipped + used]
+
+    async def aclose(self) -> None:
+        await self._archive.aclose()
+        await self._source.aclose()
 
 
-async def _load_indexes(urls: list[str], folder: Path, max_member_bytes: int) -> list[list[int]]:
-    """Each shard's sample starts and size: beside it, in the index folder, or by reading it."""
+Index = tuple[list[int], str | None]
+"""Where each sample of a shard starts, then where its archive ends; and the shard's
+compression, if any (its starts and end are then in the decompressed archive)."""
+
+
+async def _load_indexes(urls: list[str], folder: Path, max_member_bytes: int) -> list[Index]:
+    """Each shard's index: beside it, in the index folder, or made by reading it."""
     limit = asyncio.Semaphore(SCANS_AT_ONCE)
     async with storage.borrowed() as reads:
 
-        async def load(url: str) -> list[int]:
+        async def load(url: str) -> Index:
             async with limit:
                 return await _index(reads, url, folder, max_member_bytes)
 
@@ -131,8 +197,8 @@ async def _load_indexes(urls: list[str], folder: Path, max_member_bytes: int) ->
 
 async def _index(
     reads: storage.Storage, url: str, folder: Path, max_member_bytes: int
-) -> list[int]:
-    """A shard's sample starts and size. An index beside the shard that does not fit it is
+) -> Index:
+    """A shard's index. An index beside the shard that does not fit it is
     an error (it is the user's, shipped with the data: either may be the wrong one, and a
     scan in its place would turn every construction into a read of the shard); one kept in
     the index folder is ours, and is made again."""
@@ -142,31 +208,60 @@ async def _index(
     except (FetchError, OSError):
         beside = None
     if beside is not None:
-        starts = _parse_index(url + INDEX_SUFFIX, beside, size)
-        await _check_head(reads, url, url + INDEX_SUFFIX, starts[0], max_member_bytes)
-        return starts
-    kept = folder / (hashlib.sha256(url.encode()).hexdigest()[:40] + ".json")
+        index = _parse_index(url + INDEX_SUFFIX, beside, size)
+        await _check_head(reads, url, url + INDEX_SUFFIX, index, max_member_bytes)
+        return index
+    kept = kept_path(folder, url)
     with contextlib.suppress(OSError, TarFormatError):
-        starts = _parse_index(str(kept), await off_loop(kept.read_bytes), size)
-        await _check_head(reads, url, str(kept), starts[0], max_member_bytes)
-        return starts
-    chunks = reads.stream(url)
-    async with aclosing(chunks), aclosing(
-        tar_members(chunks, url, max_member_bytes, keep_data=False)
+        index = _parse_index(str(kept), await off_loop(kept.read_bytes), size)
+        await _check_head(reads, url, str(kept), index, max_member_bytes)
+        return index
+    scan = _Scan(reads.stream(url), url)
+    async with aclosing(scan.archive()) as archive, aclosing(
+        tar_members(archive, url, max_member_bytes, keep_data=False)
     ) as members:
         starts = await sample_starts(members)
-    await off_loop(_keep, kept, index_document(url, starts, size))
-    return [*starts, size]
+    end = size if scan.compression is None else scan.length
+    await off_loop(keep, kept, index_document(url, starts, size, scan.compression, end))
+    return [*starts, end], scan.compression
+
+
+class _Scan:
+    """A shard's tar archive from its chunks, decompressed if its first bytes name a
+    compression; how long the archive read was."""
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], url: str) -> None:
+        self._chunks, self._url = chunks, url
+        self.compression: str | None = None
+        self.length = 0
+
+    async def archive(self) -> AsyncGenerator[bytes, None]:
+        async with aclosing(self._chunks):
+            first = await anext(self._chunks, b"")
+            self.compression = compression_of(first)
+            archive = self._then(first)
+            if self.compression is not None:
+                archive = inflated(archive, self._url, self.compression)
+            async with aclosing(archive):
+                async for chunk in archive:
+                    self.length += len(chunk)
+                    yield chunk
+
+    async def _then(self, first: bytes) -> AsyncGenerator[bytes, None]:
+        yield first
+        async for chunk in self._chunks:
+            yield chunk
 
 
 async def _check_head(
-    reads: storage.Storage, url: str, index: str, first: int, max_member_bytes: int
+    reads: storage.Storage, url: str, where: str, index: Index, max_member_bytes: int
 ) -> None:
     """Refuse an index whose first start skips samples: reads start there, so a sample before
     it would never be read, and nothing else would notice. Where the first start is 0, as in
     every index that `pack` or a scan makes, nothing is read; else the bytes before it, which
     may hold only files that WebDataset passes over (`__index__`, names without an
     extension)."""
+    first = index[0][0]
     if first == 0:
         return
     skipped = None
@@ -181,34 +276,32 @@ async def _check_head(
                     skipped = f"sample {parts[0]!r} at byte {start}"
                     break
     except TarFormatError as e:
-        raise TarFormatError(f"{index}: its first sample starts at byte {first}, where no tar "
+        raise TarFormatError(f"{where}: its first sample starts at byte {first}, where no tar "
                              f"member starts ({e}); {_NOT_THIS_SHARD}") from None
     if skipped is not None:
-        raise TarFormatError(f"{index}: its first sample starts at byte {first}, but the shard "
+        raise TarFormatError(f"{where}: its first sample starts at byte {first}, but the shard "
                              f"holds {skipped}, which would never be read; {_NOT_THIS_SHARD}")
 
 
-def _keep(path: Path, document: str) -> None:
-    """Write an index into the cache folder; a read-only cache costs a scan next time."""
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_suffix(f".{os.getpid()}.tmp")
-        staged.write_text(document)
-        staged.replace(path)
+def index_document(url: str, starts: list[int], size: int, compression: str | None = None,
+                   end: int | None = None) -> str:
+    """A shard's index as JSON: the size it was made for and where each sample starts; for a
+    compressed shard, its compression and where its decompressed archive ends."""
+    document: dict[str, Any] = {"format": INDEX_FORMAT, "version": 1, "url": url,
+                                "size": size, "starts": starts}
+    if compression is not None:
+        document.update(compression=compression, end=end)
+    return json.dumps(document)
 
 
-def index_document(url: str, starts: list[int], size: int) -> str:
-    """A shard's index as JSON: the size it was made for and where each sample starts."""
-    return json.dumps({"format": INDEX_FORMAT, "version": 1, "url": url, "size": size,
-                       "starts": starts})
-
-
-def _parse_index(where: str, data: bytes, size: int) -> list[int]:
-    """The starts of an index with the shard's size after them, or a TarFormatError naming
-    what does not fit a shard of `size` bytes."""
+def _parse_index(where: str, data: bytes, size: int) -> Index:
+    """An index document as the index it holds, or a TarFormatError naming what does not fit
+    a shard of `size` bytes."""
     try:
         document = json.loads(data)
         starts = [int(s) for s in document["starts"]]
+        compression = document.get("compression")
+        end = int(document["end"]) if compression is not None else size
         right = document.get("format") == INDEX_FORMAT
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise TarFormatError(f"{where}: not a tar shard index ({type(e).__name__}: {e})"
@@ -216,20 +309,20 @@ def _parse_index(where: str, data: bytes, size: int) -> list[int]:
     if not right:
         raise TarFormatError(f"{where}: not a tar shard index (format "
                              f"{document.get('format')!r}, not {INDEX_FORMAT!r})")
-    problem = _misfit(document.get("size"), starts, size)
+    problem = _misfit(document.get("size"), starts, size, end)
     if problem is not None:
         raise TarFormatError(f"{where}: {problem}; {_NOT_THIS_SHARD}")
-    return [*starts, size]
+    return [*starts, end], compression
 
 
-def _misfit(made_for: object, starts: list[int], size: int) -> str | None:
-    """Why starts cannot be those of a shard of `size` bytes: a tar header lies at a multiple
-    of 512 bytes, and a sample holds one at least."""
+def _misfit(made_for: object, starts: list[int], size: int, end: int) -> str | None:
+    """Why starts cannot be those of a shard of `size` bytes whose archive ends at `end`: a
+    tar header lies at a multiple of 512 bytes, and a sample holds one at least."""
     if made_for != size:
         return f"it was made for a shard of {made_for} bytes, not {size}"
-    for n, (start, end) in enumerate(itertools.pairwise([*starts, size])):
+    for n, (start, next_start) in enumerate(itertools.pairwise([*starts, end])):
         if start < 0 or start % BLOCK:
             return f"sample {n} starts at byte {start}, where no tar header lies"
-        if start + BLOCK > end:
-            return f"sample {n} starts at byte {start}, no room for it before byte {end}"
+        if start + BLOCK > next_start:
+            return f"sample {n} starts at byte {start}, no room for it before byte {next_start}"
     return None

@@ -134,6 +134,7 @@ class _Server:
                 if os.getppid() != zygote:  # the zygote died before the request took effect
                     os._exit(1)
                 code = run(channel)
+                _flush_multiprocessing()
             finally:
                 os._exit(code)
         os.close(channel)
@@ -192,6 +193,15 @@ class _Server:
         for client in clients:
             for name in client.caches:
                 remove_if_unused(name)
+
+
+def _flush_multiprocessing() -> None:
+    """What multiprocessing does as its own processes end, in a child that ends by os._exit:
+    a queue's items put here are written out by its feeder thread, which this joins (else
+    they die with the process, as a DataLoader worker's would not)."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        util._exit_function()
 
 
 def _exit_on_term(signum: int, frame: object) -> None:
