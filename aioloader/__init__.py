@@ -34,6 +34,8 @@ __all__ = [
     "StallError",
     "Stream",
     "StreamBatches",
+    "TFRecord",
+    "TFRecordError",
     "TarFormatError",
     "TarShards",
     "WorkerDiedError",
@@ -43,6 +45,7 @@ __all__ = [
     "get_shard_info",
     "get_worker_info",
     "storage",
+    "tfrecord",
     "vision",
 ]
 
@@ -66,6 +69,7 @@ _WHERE = {
     "Stream": "_datasets",
     "StreamBatches": "_datasets",
     "TarShards": "_datasets",
+    "TFRecord": "_datasets",
     "WorkerDiedError": "_errors",
     "WorkerInfo": "_worker.decode",
     "default_collate": "_collate",
@@ -73,14 +77,15 @@ _WHERE = {
     "NotOwned": "_ipc.shm",
     "RecordIOError": "recordio",
     "TarFormatError": "_tar",
+    "TFRecordError": "tfrecord",
     "from_torch": "_datasets",
     "get_shard_info": "_sampling",
     "get_worker_info": "_worker.decode",
 }
-_SUBMODULES = {"recordio", "storage", "testing", "torch", "vision"}
+_SUBMODULES = {"recordio", "storage", "testing", "tfrecord", "torch", "vision"}
 
 if _typing.TYPE_CHECKING:
-    from . import storage, vision
+    from . import storage, tfrecord, vision
     from ._cache import CorruptEntry, SharedCache
     from ._collate import default_collate
     from ._datasets import (
@@ -94,6 +99,7 @@ if _typing.TYPE_CHECKING:
         Stream,
         StreamBatches,
         TarShards,
+        TFRecord,
         from_torch,
     )
     from ._errors import (
@@ -111,6 +117,7 @@ if _typing.TYPE_CHECKING:
     from ._tar import TarFormatError
     from ._worker.decode import WorkerInfo, get_worker_info
     from .recordio import RecordIOError
+    from .tfrecord import TFRecordError
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,6 +16,9 @@ import requests
 from tqdm import tqdm
 
 import aioloader
+
+PR_SET_CHILD_SUBREAPER = 36
+REAP_SECONDS = 30.0
 
 
 class Indices(aioloader.Dataset):
@@ -102,3 +109,44 @@ def batch_length(batch: Any) -> int:
     if isinstance(batch, (tuple, list)):
         return len(batch[0])
     return len(batch)
+
+
+# ---- runs of many processes (torchrun launches) ----
+
+
+def become_subreaper() -> None:
+    """Orphans of our descendants (the node service, detached by the rank that starts it, and
+    its zygote) are re-parented here, so their CPU reaches RUSAGE_CHILDREN once reaped."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def children(keep: set[int]) -> list[int]:
+    """Our child processes, running or zombie, but those in `keep`."""
+    line = f"\nPPid:\t{os.getpid()}\n"
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) not in keep:
+            with contextlib.suppress(OSError):
+                if line in Path(f"/proc/{entry}/status").read_text():
+                    found.append(int(entry))
+    return found
+
+
+def reap_strays(keep: set[int]) -> int:
+    """Reap what a run left (re-parented here) as it ends; after REAP_SECONDS, kill it.
+    Returns how many processes had to be killed."""
+    deadline = time.monotonic() + REAP_SECONDS
+    killed: set[int] = set()
+    while strays := children(keep):
+        late = time.monotonic() > deadline
+        if time.monotonic() > deadline + REAP_SECONDS:
+            raise RuntimeError(f"processes {strays} survive SIGKILL")
+        for pid in strays:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0] == 0 and late:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+        time.sleep(0.05)
+    return len(killed)

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import io
 import itertools
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from benchmarks_common import RemoteImages, batch_length
+from benchmarks_common import (
+    REAP_SECONDS,
+    RemoteImages,
+    batch_length,
+    become_subreaper,
+    reap_strays,
+)
 from tqdm import tqdm
 
 import aioloader
@@ -55,8 +59,6 @@ RANKS = 4
 IMAGE = 256
 CROP = 224
 PER_RANK_CONCURRENCY = 64
-PR_SET_CHILD_SUBREAPER = 36
-REAP_SECONDS = 30.0
 NAMES = {
     "none": "no loader (start-up, sleep, all_reduce)",
     "a": '(a) 4 Loaders, service="process"',
@@ -162,47 +164,9 @@ class Result:
         return f"{self.workers}/node" if self.kind == "b" else f"{self.workers}/rank"
 
 
-def become_subreaper() -> None:
-    """Orphans of our descendants (the node service, detached by the rank that starts it, and
-    its zygote) are re-parented here, so their CPU reaches RUSAGE_CHILDREN once reaped."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
-
-
 def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def children(keep: set[int]) -> list[int]:
-    """Our child processes, running or zombie, but those in `keep`."""
-    line = f"\nPPid:\t{os.getpid()}\n"
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in keep:
-            with contextlib.suppress(OSError):
-                if line in Path(f"/proc/{entry}/status").read_text():
-                    found.append(int(entry))
-    return found
-
-
-def reap_strays(keep: set[int]) -> int:
-    """Reap what a run left (re-parented here) as it ends; after REAP_SECONDS, kill it.
-    Returns how many processes had to be killed."""
-    deadline = time.monotonic() + REAP_SECONDS
-    killed: set[int] = set()
-    while strays := children(keep):
-        late = time.monotonic() > deadline
-        if time.monotonic() > deadline + REAP_SECONDS:
-            raise RuntimeError(f"processes {strays} survive SIGKILL")
-        for pid in strays:
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(pid, os.WNOHANG)[0] == 0 and late:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-        time.sleep(0.05)
-    return len(killed)
 
 
 def run(kind: str, workers: int, args: argparse.Namespace, data: dict[str, Any],

@@ -1,9 +1,10 @@
-"""DDP on tar shards (or Parquet row groups) of uneven sizes, resumed on another number of ranks.
+"""DDP on tar shards (or Parquet row groups, or TFRecord files) of uneven sizes, resumed on
+another number of ranks.
 
     python examples/distributed_tar_shards.py --out results/ [--format parquet] [--service node]
 
 writes scikit-learn's handwritten digits into 9 WebDataset tar shards of uneven sizes (or 9
-Parquet files whose row groups are as uneven), serves
+Parquet files whose row groups are as uneven, or 9 TFRecord files of `tf.train.Example`s), serves
 them from the project's test server on 127.0.0.1, and trains a small model with
 DistributedDataParallel (gloo, CPU) under torchrun: two ranks for two epochs and part of a
 third, where rank 0 saves a checkpoint (the model and `loader.state_dict()`); then three ranks
@@ -45,8 +46,14 @@ def decode_digit(sample: dict[str, Any]) -> dict[str, object]:
     return {"x": pixels, "y": raw[2], "index": int.from_bytes(raw[:2], "little")}
 
 
+def decode_record(raw: bytes) -> dict[str, object]:
+    """A TFRecord record: a `tf.train.Example` whose `bin` feature is the digit's bytes."""
+    return decode_digit({"bin": aioloader.tfrecord.parse_example(raw)["bin"][0]})
+
+
 def write_shards(folder: Path, format: str) -> list[str]:
-    """Tar shards of SHARDS digits each, or Parquet files with row groups of up to 64 rows."""
+    """Tar shards of SHARDS digits each, Parquet files with row groups of up to 64 rows, or
+    TFRecord files."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -60,6 +67,10 @@ def write_shards(folder: Path, format: str) -> list[str]:
             import pyarrow.parquet as pq
 
             pq.write_table(pa.table({"bin": bodies}), folder / names[-1], row_group_size=64)
+        elif format == "tfrecord":
+            with aioloader.tfrecord.Writer(folder / names[-1]) as writer:
+                for body in bodies:
+                    writer.write(aioloader.tfrecord.example({"bin": body}))
         else:
             with tarfile.open(folder / names[-1], "w") as tar:
                 for i, body in enumerate(bodies, first):
@@ -82,9 +93,15 @@ def train(urls: list[str], service: Literal["process", "node", "none"], epochs: 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    data = (aioloader.Parquet(urls, shuffle_window=2) if urls[0].endswith(".parquet")
-            else aioloader.TarShards(urls, shuffle_buffer=100))
-    loader = aioloader.Loader(data, decode=decode_digit, batch_size=16, shuffle=True, seed=1,
+    data: aioloader.Dataset | aioloader.Stream
+    decode = decode_digit
+    if urls[0].endswith(".parquet"):
+        data = aioloader.Parquet(urls, shuffle_window=2)
+    elif urls[0].endswith(".tfrecord"):
+        data, decode = aioloader.TFRecord(urls), decode_record
+    else:
+        data = aioloader.TarShards(urls, shuffle_buffer=100)
+    loader = aioloader.Loader(data, decode=decode, batch_size=16, shuffle=True, seed=1,
                               num_workers=1, service=None if service == "none" else service)
     first_epoch = 0
     if resume is not None:
@@ -158,7 +175,7 @@ def launch(out: Path, format: str, service: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("distributed-tar-shards"))
-    parser.add_argument("--format", choices=["tar", "parquet"], default="tar")
+    parser.add_argument("--format", choices=["tar", "parquet", "tfrecord"], default="tar")
     parser.add_argument("--service", choices=["process", "node", "none"], default="process",
                         help="a loader service per rank, one for the node's ranks, or none")
     parser.add_argument("--urls", help="set by the launcher: the shards, comma-separated")

@@ -63,6 +63,18 @@ def test_cached_epochs_give_the_same_batches_and_skip_the_reads(
     assert got == reference
 
 
+def test_local_files_read_a_chunk_at_a_time_are_served_from_the_cache_too(
+    local_paths: list[str]
+) -> None:
+    """Local files are read a chunk per call (`fetch_many`): the samples the cache holds are
+    left out of the call, as they are of per-sample reads."""
+    reference, _ = run_epochs(local_paths, None)
+    with aioloader.SharedCache(0.01) as cache:
+        got, stats = run_epochs(local_paths, cache)
+        assert stats["samples"] == SAMPLE_COUNT and stats["hit_rate"] == 0.5
+    assert got == reference
+
+
 def test_samples_beyond_the_limit_are_not_cached(urls: list[str]) -> None:
     per_sample = 16 * 16 + 200
     with aioloader.SharedCache(30 * per_sample / 2**30) as cache:

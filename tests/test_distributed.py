@@ -62,7 +62,7 @@ def test_executor_and_worker_init_do_not_mix(urls: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("format", "service"),
-                         [("tar", "process"), ("parquet", "node"), ("tar", "none")])
+                         [("tar", "process"), ("parquet", "node"), ("tfrecord", "none")])
 def test_torchrun_on_uneven_shards_steps_together_resumes_on_three_ranks_and_survives_a_fork(
     tmp_path: Path, format: str, service: str
 ) -> None:

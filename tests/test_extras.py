@@ -87,6 +87,17 @@ def test_missing_pyarrow_names_the_parquet_extra(tmp_path: Path) -> None:
     assert_names_extra(run_without("pyarrow", code), "parquet")
 
 
+def test_missing_crc32c_names_the_tfrecord_extra(tmp_path: Path) -> None:
+    from aioloader import tfrecord
+
+    with tfrecord.Writer(tmp_path / "t.tfrecord") as writer:
+        writer.write(tfrecord.example({"x": b"1"}))
+    path = str(tmp_path / "t.tfrecord")
+    code = f"import aioloader\naioloader.TFRecord({path!r}, index_dir={str(tmp_path)!r})"
+    assert_names_extra(run_without("crc32c", code), "tfrecord")
+    assert_one_cli_line(cli_without("crc32c", "inspect", path), "tfrecord")
+
+
 def test_missing_matplotlib_names_the_plot_extra_before_bench_runs(tmp_path: Path) -> None:
     # the data does not exist: an error about it would mean the run started first
     done = cli_without("matplotlib", "bench", str(tmp_path / "missing.rec"),
@@ -101,6 +112,7 @@ def test_the_extras_named_exist_and_all_holds_every_one() -> None:
     tomllib = pytest.importorskip("tomllib")
     text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     extras = tomllib.loads(text)["project"]["optional-dependencies"]
-    optional = ["azure", "dask", "gcs", "image", "parquet", "plot", "ray", "s3", "torch"]
+    optional = ["azure", "dask", "gcs", "image", "parquet", "plot", "ray", "s3", "tfrecord",
+                "torch"]
     assert set(optional) <= extras.keys()
     assert extras["all"] == [f"aioloader[{','.join(optional)}]"]

@@ -92,7 +92,7 @@ def test_pack_refuses_an_unknown_suffix_unless_format_is_given(tmp_path: Path) -
     assert (tmp_path / "out-000000.tar").exists()
 
 
-@pytest.mark.parametrize("out", ["out.rec", "out.tar"])
+@pytest.mark.parametrize("out", ["out.rec", "out.tar", "out.tfrecord"])
 def test_a_failed_pack_leaves_no_file_behind(tmp_path: Path, out: str) -> None:
     make_tree(tmp_path / "src")
     (tmp_path / "src" / "dog" / "9.jpg").write_bytes(b"not a jpeg")
@@ -200,3 +200,30 @@ def test_inspect_reads_a_brace_pattern_of_shards_and_shows_labels_as_labels(
     assert f"WebDataset tar shards ({len(shards)})" in report and "samples: 10" in report
     first = report.splitlines()[-1]
     assert "jpg: " in first and "bytes" in first and "label " in first and "cls:" not in first
+
+
+def test_pack_tfrecord_writes_examples_the_reference_reads_and_an_index_beside(
+        tmp_path: Path) -> None:
+    from tfrecord.reader import tfrecord_loader
+
+    tree = dict(make_tree(tmp_path / "src"))
+    run_cli("pack", str(tmp_path / "src"), str(tmp_path / "out.tfrecord"), "--no-shuffle")
+    out, index = tmp_path / "out.tfrecord", tmp_path / "out.tfrecord.idx"
+    files = sorted(tree)
+    theirs = list(tfrecord_loader(str(out), None, {"image/encoded": "byte",
+                                                   "image/format": "byte",
+                                                   "image/class/label": "int"}))
+    ours = list(aioloader.Loader(aioloader.TFRecord(str(out)), decode=aioloader.tfrecord.
+                                 parse_example, batch_size=None, num_workers=0))
+    assert len(theirs) == len(ours) == len(files)
+    for name, their, our in zip(files, theirs, ours, strict=True):
+        image = (tmp_path / "src" / name).read_bytes()
+        assert bytes(their["image/encoded"]) == our["image/encoded"][0] == image
+        assert their["image/class/label"].tolist() == our["image/class/label"].tolist() == [
+            tree[name]]
+        assert our["image/format"] == [b"jpg"]
+    assert len(index.read_text().splitlines()) == len(files)
+    summary = run_cli("inspect", str(out), "--first", "2")
+    assert f"records: {len(files)}" in summary
+    assert "labels (2 distinct): 0: 5, 1: 5" in summary
+    assert "image/encoded: bytes x1" in summary and "image/class/label: int64[1]" in summary

@@ -1,10 +1,10 @@
 """Every ```python block of README.md runs as a user would paste it.
 
 Each block runs in a fresh interpreter (`python -c`), in a folder holding the files the blocks
-name (`0000.bin`, `train.rec`, `shards/`, the Parquet files, the corpus), with the README's
-`http://127.0.0.1:8000/` (as `aioloader serve DIR --port 8000` serves a folder) pointed at a test
-server over that same folder, and `s3://bucket/` at moto's S3 server. A block passes when it
-exits with status 0 and prints no traceback.
+name (`0000.bin`, `train.rec`, `train.tfrecord`, `shards/`, the Parquet files, the corpus),
+with the README's `http://127.0.0.1:8000/` (as `aioloader serve DIR --port 8000` serves a
+folder) pointed at a test server over that same folder, and `s3://bucket/` at moto's S3
+server. A block passes when it exits with status 0 and prints no traceback.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 from segments import names
 
 from aioloader._tools.images import make_images
-from aioloader._tools.packing import list_items, pack_recordio
+from aioloader._tools.packing import list_items, pack_recordio, pack_tfrecord
 from aioloader.testing import TestServer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -135,6 +135,7 @@ def readme_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (folder / f"{i:04d}.bin").write_bytes(sample(i))
     make_images(folder / "images", IMAGES, dimensions=(64, 48), by_class=True)
     pack_recordio(folder / "images", folder / "train.rec", processes=1)
+    pack_tfrecord(folder / "images", folder / "train.tfrecord", processes=1)
     write_tar_shards(folder / "images", folder / "shards")
     write_parquet(folder)
     for part in range(CORPUS_FILES):

@@ -7,6 +7,7 @@ from .parquet import Parquet, ParquetError
 from .recordio import RecordIO
 from .streambatches import StreamBatches
 from .tarshards import TarShards
+from .tfrecords import TFRecord
 from .torchmap import from_torch
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "RecordIO",
     "Stream",
     "StreamBatches",
+    "TFRecord",
     "TarShards",
     "from_torch",
 ]

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from .._loopthread import run_sync
 from ..recordio import (
@@ -26,18 +22,10 @@ from ..recordio import (
     read_index,
 )
 from ..storage import _storage as storage
-from .base import Dataset, digest
-from .keys import KeyTable
+from .records import FileRecords, Records
 
 
-@dataclass
-class _FileRecords:
-    starts: list[int]
-    ends: list[int]
-    keys: list[str]
-
-
-class RecordIO(Dataset):
+class RecordIO(Records):
     """The records of one or several `.rec` files; `fetch(i)` gives record i's payload.
 
     With `.idx` files each fetch is one ranged read, and reads of consecutive records in one
@@ -76,35 +64,9 @@ class RecordIO(Dataset):
             storage.check_url(url)
         self.urls = recs
         self.num_parts = num_parts
-        per_file = run_sync(_load(recs, idxs, num_parts, part_index))
-        self._file: npt.NDArray[np.int32] = np.concatenate(
-            [np.full(len(f.starts), n, np.int32) for n, f in enumerate(per_file)]
-        )
-        self._start = np.array([s for f in per_file for s in f.starts], dtype=np.int64)
-        self._end = np.array([e for f in per_file for e in f.ends], dtype=np.int64)
-        self._keys = KeyTable(k for f in per_file for k in f.keys)
+        self._set_records(run_sync(_load(recs, idxs, num_parts, part_index)))
 
-    def __len__(self) -> int:
-        return len(self._start)
-
-    def key(self, index: int) -> str:
-        return f"{self.urls[self._file[index]]}#{self._keys[index]}"
-
-    def fingerprint(self) -> dict[str, Any]:
-        """The length and a digest of each record's file, place and key: what a position
-        means, wherever the files are."""
-        return {"length": len(self), "records": self._records_digest}
-
-    @functools.cached_property
-    def _records_digest(self) -> str:
-        """Made once: the index never changes after construction."""
-        return digest(self._file, self._start, self._end, self._keys.digest)
-
-    async def fetch(self, index: int) -> bytes:
-        url = self.urls[self._file[index]]
-        start, end = int(self._start[index]), int(self._end[index])
-        async with storage.borrowed() as reads:
-            data = await reads.read_range(url, start, end)
+    def unframe(self, data: bytes, url: str, start: int) -> bytes:
         payload, _ = decode(data, url, start)
         return payload
 
@@ -115,7 +77,7 @@ def _as_list(urls: str | Sequence[str]) -> list[str]:
 
 async def _load(
     recs: list[str], idxs: list[str] | None, num_parts: int, part_index: int
-) -> list[_FileRecords]:
+) -> list[FileRecords]:
     async with storage.borrowed() as reads:
         sizes = await asyncio.gather(*(reads.size(url) for url in recs))
         first_bytes = np.cumsum([0, *sizes])
@@ -136,17 +98,17 @@ async def _load(
         return list(await asyncio.gather(*jobs))
 
 
-async def _nothing() -> _FileRecords:
-    return _FileRecords([], [], [])
+async def _nothing() -> FileRecords:
+    return FileRecords()
 
 
 async def _from_index(
     reads: storage.Storage, url: str, idx_url: str, size: int, low: int, high: int
-) -> _FileRecords:
+) -> FileRecords:
     keys, offsets = read_index(await reads.read(idx_url), idx_url)
     order = sorted(range(len(offsets)), key=offsets.__getitem__)
     bounds = [offsets[i] for i in order] + [size]
-    records = _FileRecords([], [], [])
+    records = FileRecords()
     for rank, i in enumerate(order):
         if not 0 <= offsets[i] < size:
             raise RecordIOError(
@@ -167,7 +129,7 @@ async def _from_index(
 
 async def _by_scanning(
     reads: storage.Storage, url: str, size: int, low: int, high: int
-) -> _FileRecords:
+) -> FileRecords:
     """Walk the record headers from `low`, resynchronising on the first record start when
     `low` falls inside a record; keep the records that start before `high`.
 
@@ -218,5 +180,5 @@ async def _by_scanning(
     return _scanned(starts, position)
 
 
-def _scanned(starts: list[int], end: int) -> _FileRecords:
-    return _FileRecords(starts, [*starts[1:], end], [f"@{s}" for s in starts])
+def _scanned(starts: list[int], end: int) -> FileRecords:
+    return FileRecords(starts, [*starts[1:], end], [f"@{s}" for s in starts])

@@ -183,21 +183,28 @@ class PlannedSource:
         self._arrived(pending, position, raw, work)
 
     async def _fetch_many(self, pending: Pending, work: Work) -> None:
+        """The chunk's items in one call, those the cache holds left out (CACHED)."""
         started = now()
         self._in_flight[id(pending), 0] = (started, pending.indices[0])
+        raws: list[Any] = [CACHED if self._cache is not None and self._cache.lookup(index)
+                           else None for index in pending.indices]
+        wanted = [position for position, raw in enumerate(raws) if raw is None]
         try:
-            raws = list(await self.dataset.fetch_many(pending.indices))
-            if len(raws) != len(pending.indices):
-                raise ValueError(f"fetch_many gave {len(raws)} items for {len(pending.indices)}")
+            read = list(await self.dataset.fetch_many([pending.indices[p] for p in wanted])
+                        if wanted else [])
+            if len(read) != len(wanted):
+                raise ValueError(f"fetch_many gave {len(read)} items for {len(wanted)}")
         except Exception:
-            raws = []  # find which sample failed, one by one
-            for position, index in enumerate(pending.indices):
+            for position in wanted:  # find which sample failed, one by one
                 try:
-                    raws.append(await self.dataset.fetch(index))
+                    raws[position] = await self.dataset.fetch(pending.indices[position])
                 except Exception as e:
-                    raws.append(self._failed(pending, position, e))
+                    raws[position] = self._failed(pending, position, e)
         else:
-            self._record(started, len(raws))
+            for position, raw in zip(wanted, read, strict=True):
+                raws[position] = raw
+            if read:
+                self._record(started, len(read))
         finally:
             self._reads.release()
             del self._in_flight[id(pending), 0]

@@ -185,17 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
             serve_cmd.add_argument(flag, type=kind, default=field.default, help=hint)
 
     pack = command(
-        "pack", "pack an image folder or an im2rec .lst into .rec or tar shards", _pack,
-        "Packs images into OUT.rec plus OUT.idx (MXNet RecordIO), or into WebDataset tar "
-        "shards OUT-000000.tar, ... Records are shuffled with --seed (as im2rec does) so that "
+        "pack", "pack an image folder or an im2rec .lst into .rec, tar shards or .tfrecord",
+        _pack,
+        "Packs images into OUT.rec plus OUT.idx (MXNet RecordIO), into WebDataset tar "
+        "shards OUT-000000.tar, ..., or into OUT.tfrecord plus OUT.tfrecord.idx "
+        "(tf.train.Example records: image/encoded, image/format, image/class/label). "
+        "Records are shuffled with --seed (as im2rec does) so that "
         "early batches hold every class; a record's id (tar key) is the image's position in "
         "the sorted folder listing, or its index in the .lst. Output is written under "
         "temporary names and renamed once complete.",
     )
     pack.add_argument("source", type=existing_path,
                       help="a folder with a sub-folder per class, or an im2rec .lst file")
-    pack.add_argument("out", type=Path, help="OUT.rec (plus OUT.idx), or OUT.tar for shards")
-    pack.add_argument("--format", choices=["rec", "tar"], default=None,
+    pack.add_argument("out", type=Path, help="OUT.rec (plus OUT.idx), OUT.tar for shards, or "
+                      "OUT.tfrecord (plus OUT.tfrecord.idx)")
+    pack.add_argument("--format", choices=["rec", "tar", "tfrecord"], default=None,
                       help="output format (default: from the suffix of OUT)")
     pack.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                       help="shuffle the records; --no-shuffle keeps the input order")
@@ -210,10 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--shard-mb", type=positive_float, default=256.0,
                       help="target size of a tar shard in MB")
 
-    inspect = command("inspect", "counts, sizes and labels of a .rec or .tar", _inspect)
+    inspect = command("inspect", "counts, sizes and labels of a .rec, .tar or .tfrecord",
+                      _inspect)
     inspect.add_argument("file", type=url,
-                         help="a .rec (its .idx is used when beside it) or .tar shards (brace "
-                         "patterns allowed): a local path, http(s):// or s3:// URL")
+                         help="a .rec (its .idx is used when beside it), .tar shards (brace "
+                         "patterns allowed; .tar.gz too) or a .tfrecord: a local path, "
+                         "http(s):// or s3:// URL")
     inspect.add_argument("--first", type=non_negative_int, default=5,
                          help="records to show")
 
@@ -303,17 +309,21 @@ def run_until_interrupted(coroutine: Coroutine[Any, Any, None]) -> None:
 
 
 def _pack(args: argparse.Namespace) -> None:
-    from .packing import FORMATS, ImageOptions, pack_recordio, pack_tar
+    from .packing import FORMATS, ImageOptions, pack_recordio, pack_tar, pack_tfrecord
 
     kind = args.format or FORMATS.get(args.out.suffix.lower())
     if kind is None:
-        raise ValueError(f"cannot tell the format of {args.out} from its suffix: name it .rec "
-                         "or .tar, or give --format rec or --format tar")
+        raise ValueError(f"cannot tell the format of {args.out} from its suffix: name it .rec, "
+                         ".tar or .tfrecord, or give --format rec, tar or tfrecord")
     options = ImageOptions(args.resize, args.quality)
     if kind == "tar":
         shards = pack_tar(args.source, args.out, options, args.processes,
                           int(args.shard_mb * (1 << 20)), args.shuffle, args.seed)
         print(f"wrote {len(shards)} shards: {shards[0]} .. {shards[-1]}")
+    elif kind == "tfrecord":
+        count = pack_tfrecord(args.source, args.out, options, args.processes, args.shuffle,
+                              args.seed)
+        print(f"wrote {count} records to {args.out} and its index {args.out}.idx")
     else:
         count = pack_recordio(args.source, args.out, options, args.processes, args.shuffle,
                               args.seed)

@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
 from tqdm import tqdm
 
-from .. import recordio
+from .. import recordio, tfrecord
 from .._closing import Closing
 from .._datasets.tarshards import INDEX_SUFFIX, index_document
+from .._datasets.tfrecords import INDEX_SUFFIX as TFRECORD_INDEX
 
 
 def process_context() -> multiprocessing.context.BaseContext:
@@ -35,7 +37,7 @@ def process_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
 
 
-FORMATS = {".rec": "rec", ".tar": "tar"}
+FORMATS = {".rec": "rec", ".tar": "tar", ".tfrecord": "tfrecord"}
 """Output format by the suffix of the output name."""
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
@@ -151,6 +153,29 @@ def pack_recordio(
             one_or_many = item.labels[0] if len(item.labels) == 1 else item.labels
             header = recordio.IRHeader(0, one_or_many, item.index, 0)
             writer.write(recordio.pack(header, data), key=item.index)
+    return len(items)
+
+
+def pack_tfrecord(
+    source: Path,
+    out: Path,
+    options: ImageOptions = ImageOptions(),
+    processes: int = 2,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> int:
+    """Write OUT.tfrecord and its index beside it (OUT.tfrecord.idx, DALI's format): each
+    record a `tf.train.Example` as TensorFlow's image datasets write them, `image/encoded`,
+    `image/format` and `image/class/label` (int64, or float where a label is not whole)."""
+    items = _ordered_items(source, shuffle, seed)
+    index = out.with_name(out.name + TFRECORD_INDEX)
+    with staged() as stage, tfrecord.Writer(stage(out), stage(index)) as writer:
+        for item, data, extension in _loaded(items, options, processes, f"packing {out.name}"):
+            labels = np.asarray(item.labels)
+            whole = bool(np.all(labels == np.round(labels)))
+            writer.write(tfrecord.example({
+                "image/encoded": data, "image/format": extension,
+                "image/class/label": labels.astype(np.int64 if whole else np.float32)}))
     return len(items)
 
 

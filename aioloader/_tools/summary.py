@@ -1,4 +1,5 @@
-"""What is in a `.rec` or `.tar` file: counts, sizes, labels and the first records."""
+"""What is in a `.rec`, `.tar` or `.tfrecord` file: counts, sizes, labels and the first
+records."""
 
 from __future__ import annotations
 
@@ -9,20 +10,24 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .. import recordio
-from .._datasets import RecordIO, TarShards
+from .. import recordio, tfrecord
+from .._datasets import RecordIO, TarShards, TFRecord
 from .._errors import FetchError
 from .._loader import Loader
 from ..storage._storage import local_path
 
 
 def summarize(url: str, first: int = 5) -> str:
-    """`url`: a local path, file://, http(s):// or s3:// URL of a .rec or a .tar."""
-    suffix = Path(urlsplit(url).path).suffix.lower()
-    if suffix == ".tar":
+    """`url`: a local path, file://, http(s):// or s3:// URL of a .rec, a .tar (compressed
+    too) or a .tfrecord."""
+    path = urlsplit(url).path.lower()
+    if path.endswith(TAR_SUFFIXES):
         return _summarize_tar(url, first)
-    if suffix != ".rec":
-        raise ValueError(f"cannot tell the format of {url}: inspect reads .rec and .tar files")
+    if path.endswith(".tfrecord"):
+        return _summarize_tfrecord(url, first)
+    if not path.endswith(".rec"):
+        raise ValueError(f"cannot tell the format of {url}: inspect reads .rec, .tar "
+                         f"({', '.join(TAR_SUFFIXES[1:])}) and .tfrecord files")
     dataset, index = _open_recordio(url)
     lines = [f"{url}: RecordIO, {'index ' + index if index else 'no index'}"]
     sizes, labels, heads = [], Counter[str](), []
@@ -74,6 +79,39 @@ def _summarize_tar(url: str, first: int) -> str:
     lines += ["extensions: " + ", ".join(f"{e} x{c}" for e, c in extensions.most_common())]
     lines += [*_label_lines(labels), "first samples:", *heads]
     return "\n".join(lines)
+
+
+def _summarize_tfrecord(url: str, first: int) -> str:
+    dataset = TFRecord(url)
+    lines = [f"{url}: TFRecord"]
+    sizes, labels, heads = [], Counter[str](), []
+    for n, record in enumerate(Loader(dataset, batch_size=None, num_workers=0)):
+        sizes.append(len(record))
+        try:
+            example = tfrecord.parse_example(record)
+        except tfrecord.TFRecordError:
+            continue  # not a tf.train.Example: sizes only
+        label = next((example[k] for k in LABEL_FEATURES
+                      if isinstance(example.get(k), np.ndarray)), None)
+        if label is not None:
+            labels[_label_text(label)] += 1
+        if n < first:
+            heads.append(f"  {dataset.key(n)}: " + ", ".join(
+                f"{name}: {_feature_text(value)}" for name, value in example.items()))
+    lines += [f"records: {len(sizes)}", _size_line("record bytes", sizes)]
+    lines += [*_label_lines(labels), "first records (tf.train.Example):", *heads]
+    return "\n".join(lines)
+
+
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+LABEL_FEATURES = ("image/class/label", "label")
+"""Features a TFRecord's label is found in, as TensorFlow's image datasets name it."""
+
+
+def _feature_text(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype}[{len(value)}]"
+    return f"bytes x{len(value)} ({sum(map(len, value))} B)"
 
 
 def _label_text(label: Any) -> str:
