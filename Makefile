@@ -76,6 +76,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/gil.py
 	$(BIN)/python benchmarks/node.py
 	$(BIN)/python benchmarks/cluster.py
+	$(BIN)/python benchmarks/large_samples.py
+	$(BIN)/python benchmarks/mlperf_storage.py
 
 # the streaming loaders aioloader is compared with, and HF datasets, in a venv of their own
 PEERS := .venv-peers

@@ -288,7 +288,7 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.parametrize("service", ["process", "None"])
+@pytest.mark.parametrize("service", ["process"])  # in the trainer's process: above, alone
 def test_under_torchrun_two_ranks_of_two_workers_read_every_item_once_per_epoch_and_resume(
     tmp_path: Any, service: str
 ) -> None:
