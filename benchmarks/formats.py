@@ -1,6 +1,6 @@
 """Packing and reading packed formats: pack rate with 1 and 2 processes, and read rates over
-HTTP with 20 ms latency for a .rec (sequential and shuffled), tar shards, and one object per
-sample. All figures come from this one run.
+HTTP with 20 ms latency for a .rec and a .tfrecord (each in order and shuffled), tar shards,
+and one object per sample. All figures come from this one run.
 
     python benchmarks/formats.py [--images 2000] [--latency-ms 20]
 """
@@ -17,7 +17,7 @@ from benchmarks_common import samples_per_second
 
 import aioloader
 from aioloader._tools.images import make_images
-from aioloader._tools.packing import ImageOptions, pack_recordio, pack_tar
+from aioloader._tools.packing import ImageOptions, pack_recordio, pack_tar, pack_tfrecord
 from aioloader.testing import TestServer
 
 BATCH = 64
@@ -71,6 +71,7 @@ def main() -> None:
         served.mkdir()
         pack_recordio(work / "tree", served / "train.rec", processes=2)
         shards = pack_tar(work / "tree", served / "train.tar", processes=2, shard_bytes=4 << 20)
+        pack_tfrecord(work / "tree", served / "train.tfrecord", processes=2)
         read_rate(aioloader.RecordIO(str(served / "train.rec")), len(items), "warm-up")
         with TestServer(served, latency_ms=args.latency_ms) as server:
             for name, _ in items:
@@ -87,6 +88,11 @@ def main() -> None:
             reading[".rec + .idx, in order (neighbours merged)"] = read_rate(
                 indexed, len(items), "rec in order")
             merged_requests = server.stats()["requests"] - before
+            records = aioloader.TFRecord(server.url + "train.tfrecord")  # its .idx beside it
+            reading[".tfrecord + .idx, shuffled (one ranged read each)"] = read_rate(
+                records, len(items), "tfrecord shuffled", shuffle=True)
+            reading[".tfrecord + .idx, in order (neighbours merged)"] = read_rate(
+                records, len(items), "tfrecord in order")
             reading[f"tar shards ({len(shards)} of 4 MB), streamed"] = read_rate(
                 aioloader.TarShards([server.url + p.name for p in shards]), len(items), "tar")
 
@@ -100,6 +106,9 @@ def main() -> None:
     for name, rate in reading.items():
         print(f"  {name:<55} {rate:8.0f}  {rate / base:5.1f}x")
     print(f"  (the in-order .rec epoch took {merged_requests} requests for {len(items)} records)")
+    for order in ("shuffled (one ranged read each)", "in order (neighbours merged)"):
+        ratio = reading[f".tfrecord + .idx, {order}"] / reading[f".rec + .idx, {order}"]
+        print(f"  .tfrecord / .rec, {order.split(' (')[0]}: {ratio:.2f}")
 
 
 if __name__ == "__main__":
