@@ -35,7 +35,6 @@ __all__ = [
     "read_index",
     "record",
     "record_size",
-    "records",
     "unframe",
 ]
 
@@ -106,15 +105,6 @@ def record_size(header: bytes | memoryview, where: str = "record", offset: int =
         raise TFRecordError(f"{where}: bad record at offset {offset}: the CRC of its length "
                             "does not match (not a TFRecord file, or damaged)")
     return int(length) + FRAMING
-
-
-def records(data: bytes, where: str = "file") -> Iterator[tuple[int, bytes]]:
-    """(offset, data) of each record of a whole file's bytes, each checked."""
-    offset = 0
-    while offset < len(data):
-        payload, size = unframe(memoryview(data)[offset:], where, offset)
-        yield offset, payload
-        offset += size
 
 
 def read_index(text: str | bytes, where: str) -> tuple[list[int], list[int]]:

@@ -109,6 +109,12 @@ class Dataset(Described, abc.ABC):
         (so blocking reads overlap). None: `fetch` gives the raw item itself."""
         return None
 
+    def read_in_decode(self) -> Dataset | None:
+        """This data read in the decode processes, where it is decoded, when they are on this
+        machine and that is cheaper than reading it here and sending it on (large local
+        files); None, the default: read in the event loop."""
+        return None
+
     def key(self, index: int) -> str:
         """A name for the sample at `index`, used in error messages."""
         return str(index)

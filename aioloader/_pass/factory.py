@@ -23,7 +23,6 @@ from .._closing import ProcessBound
 from .._collate import default_collate
 from .._config import LoaderConfig
 from .._datasets import Dataset, Stream
-from .._datasets.files import Files
 from .._datasets.torchiter import FromTorchIterable
 from .._errors import LoaderError
 from .._ipc import shm
@@ -78,7 +77,7 @@ class PassFactory:
         self.config = config
         self.share = share
         dataset = config.dataset
-        if (isinstance(dataset, Files) and config.num_workers
+        if (isinstance(dataset, Dataset) and config.num_workers
                 and (executor is None or isinstance(executor, Executor))):
             dataset = dataset.read_in_decode() or dataset  # on this machine: read there
         self.dataset = dataset
