@@ -276,19 +276,17 @@ def _leading_map(data: bytes, what: str) -> tuple[list[tuple[int, int]], int]:
 async def _old_gnu_sparse(header: bytes, reader: _Reader, where: str, at: int) -> _Sparse:
     """GNU's own sparse member (type S): four pieces in its header, more in the blocks after it
     (21 each) while a block says more follow; its whole size at byte 483 of the header."""
-    regions, block, more = _gnu_regions(header[386:482], 4), header, header[482]
-    while more:
-        block = await reader.read(BLOCK)
-        if len(block) < BLOCK:
-            raise TarFormatError(f"{where}: truncated sparse header after offset {at}")
-        regions += _gnu_regions(block[:504], 21)
-        more = block[504]
     try:
-        size = _octal(header[483:495])
-    except ValueError:
-        raise TarFormatError(f"{where}: bad sparse header at offset {at}: its size "
-                             f"{header[483:495]!r}") from None
-    return _Sparse(size, regions)
+        regions, more = _gnu_regions(header[386:482], 4), header[482]
+        while more:
+            block = await reader.read(BLOCK)
+            if len(block) < BLOCK:
+                raise TarFormatError(f"{where}: truncated sparse header after offset {at}")
+            regions += _gnu_regions(block[:504], 21)
+            more = block[504]
+        return _Sparse(_octal(header[483:495]), regions)
+    except ValueError as e:  # a number field that is not one
+        raise TarFormatError(f"{where}: bad sparse header at offset {at}: {e}") from None
 
 
 def _gnu_regions(data: bytes, count: int) -> list[tuple[int, int]]:

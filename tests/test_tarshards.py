@@ -520,3 +520,25 @@ def test_a_damaged_or_unread_compressed_shard_names_the_shard_and_what_is_wrong(
         (tmp_path / name).write_bytes(data)
         with pytest.raises(TarFormatError, match=rf"{re.escape(name)}: {message}"):
             aioloader.TarShards(str(tmp_path / name), index_dir=tmp_path / "index")
+
+
+def test_a_gnu_sparse_header_with_a_bad_number_names_the_shard_and_offset(
+        tmp_path: Path) -> None:
+    """A type S member whose extension block (the pieces past the header's four) holds a
+    field that is not a number: a TarFormatError, not a ValueError from inside the reader.
+    (A bad number in the header itself is refused by its own parse, as any header's.)"""
+    import subprocess
+
+    with open(tmp_path / "sp.bin", "wb") as file:
+        for piece in range(10):
+            file.seek(piece * 20_000)
+            file.write(b"x" * 1000)
+        file.truncate(300_000)
+    subprocess.run(["tar", "-C", str(tmp_path), "--sparse", "--format=gnu", "-cf",
+                    str(tmp_path / "s.tar"), "sp.bin"], check=True)
+    shard = bytearray((tmp_path / "s.tar").read_bytes())
+    assert shard[156:157] == tarfile.GNUTYPE_SPARSE and shard[482] == 1  # more pieces follow
+    assert [s["bin"].count(b"x") for s in parse(bytes(shard))] == [10_000]
+    shard[512:524] = b"9" * 12  # the fifth piece's offset, in the extension block: not octal
+    with pytest.raises(TarFormatError, match=r"^s\.tar: bad sparse header at offset 0"):
+        parse(bytes(shard))
