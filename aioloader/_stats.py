@@ -89,8 +89,15 @@ class LoaderStats:
     large local files' reads); 0 when the items are read in the event loop."""
     read_in_decode: bool = False
     """Local files read in the decode processes, where they are decoded, not in the event loop
-    (large ones: `Files.read_in_decode`); `fetch` and the storage's figures then leave them
+    (large ones: `Files.for_local_decode`); `fetch` and the storage's figures then leave them
     out, and `decode` counts their reads."""
+    bytes_to_decode: int = 0
+    """Bytes of the chunks' messages, as the decode processes received them through their
+    channels (raw items that are bytes travel in them)."""
+    shared_bytes: int = 0
+    """Bytes of samples read from the socket into shared memory, which the decode processes
+    take them from, rather than sent through their channel (large remote objects:
+    `Files.for_local_decode`)."""
     decode_processes: int = 0
     busy_seconds: float = 0.0
     """Wall seconds spent inside runs (from first request to end or break)."""
@@ -220,6 +227,12 @@ class LoaderStats:
     def __str__(self) -> str:
         return self.report()
 
+    def _shared_note(self) -> str:
+        if not self.shared_bytes:
+            return ""
+        return (f"; {self.shared_bytes / 1e6:.1f} MB read into shared memory for decode, "
+                f"{self.bytes_to_decode / 1e6:.1f} MB sent to it")
+
     def report(self, seconds: float | None = None) -> str:
         """The figures and the verdict; the rate over `seconds` (a caller's own clock, start-up
         included), else over the seconds the passes ran."""
@@ -228,7 +241,8 @@ class LoaderStats:
             f"{self.samples} samples in {self.batches} batches, {self.samples / seconds:.0f} "
             f"samples/s; {self.bytes_read / 1e6:.1f} MB in {self.requests} requests, "
             f"{self.retries} retries, {self.skipped} skipped",
-            f"fetch per sample:      {self.fetch.describe()}" if not self.read_in_decode else
+            f"fetch per sample:      {self.fetch.describe()}{self._shared_note()}"
+            if not self.read_in_decode else
             "fetch per sample:      none here: local files are read in the decode processes",
             f"decode per sample:     {self.decode.describe()}",
             f"batch waits in queue:  {self.queue_wait.describe()}",

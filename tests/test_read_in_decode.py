@@ -1,7 +1,9 @@
 """Large local files are read in the decode processes, where they are decoded, as DataLoader's
 workers read theirs: their bytes never cross the loader's event loop nor its channel to
-decode. Measured at the process boundary, by the kernel's own count of each process's reads and
-writes (/proc/PID/io), over every process of the job."""
+decode. Large remote objects go from the socket into shared memory the decode processes take
+them from. Measured at the process boundary, by the kernel's own count of each process's reads
+and writes (/proc/PID/io), over every process of the job, and by what the decode processes
+received through their channels."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import psutil
 import pytest
 
 import aioloader
+from aioloader.testing import TestServer
 
 MIB = 1 << 20
 SAMPLE = 32 * MIB
@@ -28,6 +31,10 @@ def first_byte_and_pid(raw: bytes) -> np.ndarray[Any, Any]:
 
 def labelled(raw: tuple[bytes, int]) -> tuple[int, int]:
     return len(raw[0]), raw[1]
+
+
+def size_label_pid(raw: tuple[bytes, int]) -> np.ndarray[Any, Any]:
+    return np.array([len(raw[0]), raw[1], os.getpid()])
 
 
 def large_files(folder: Path, count: int, size: int = SAMPLE) -> list[str]:
@@ -72,6 +79,36 @@ def test_a_large_local_file_goes_to_its_decode_process_by_name(
     assert read[False] < SAMPLE // 4, read[False] / MIB
     assert stats.read_in_decode
     assert "local files are read in the decode processes" in stats.report()
+
+
+@pytest.mark.parametrize("service", [None, "process"])
+def test_a_large_remote_object_goes_to_its_decode_process_in_shared_memory(
+        tmp_path: Path, service: str | None) -> None:
+    large_files(tmp_path, 4)
+    with TestServer(tmp_path) as server:
+        urls = [f"{server.url}{n:03d}.bin" for n in range(4)]
+        loader = aioloader.Loader(aioloader.Files(urls, labels=range(4)),
+                                  decode=size_label_pid, batch_size=1, num_workers=2,
+                                  persistent_workers=True, service=service)
+        with loader:
+            assert sorted(int(batch[0, 1]) for batch in loader) == [0, 1, 2, 3]  # sizes learnt
+            sent_before, before = loader.stats.bytes_to_decode, job_io()
+            batches = list(loader)
+            after, stats = job_io(), loader.stats
+    assert sorted((int(b[0, 0]), int(b[0, 1])) for b in batches) == [(SAMPLE, n) for n in range(4)]
+    decoders = {int(batch[0, 2]) for batch in batches}
+    read = {True: 0, False: 0}
+    for pid in (before.keys() & after.keys()) - {server.pid}:
+        read[pid in decoders] += after[pid] - before[pid]
+    # read from the socket once (uvloop's reads are read(2)), by the main process or the
+    # service; taken from shared memory by the decode processes (by pread; their channel's
+    # recv is not counted), which received a few hundred bytes per chunk through it
+    assert 4 * SAMPLE <= read[True] < 5 * SAMPLE, read[True] / MIB
+    assert read[False] < 5 * SAMPLE, read[False] / MIB
+    assert stats.bytes_to_decode - sent_before < 4 * 4096
+    assert stats.shared_bytes == 4 * SAMPLE
+    assert "134.2 MB read into shared memory for decode" in stats.report()
+    assert not stats.read_in_decode
 
 
 def test_small_local_files_are_read_in_the_event_loop(tmp_path: Path) -> None:

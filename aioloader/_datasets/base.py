@@ -109,10 +109,14 @@ class Dataset(Described, abc.ABC):
         (so blocking reads overlap). None: `fetch` gives the raw item itself."""
         return None
 
-    def read_in_decode(self) -> Dataset | None:
-        """This data read in the decode processes, where it is decoded, when they are on this
-        machine and that is cheaper than reading it here and sending it on (large local
-        files); None, the default: read in the event loop."""
+    reads_in_decode = False
+    """`fetch` gives where each sample is, and the decode processes read it (a copy that
+    `for_local_decode` made)."""
+
+    def for_local_decode(self) -> Dataset | None:
+        """This data as decode processes on this machine take it best, when that is cheaper
+        than reading it here and sending the bytes on (large local files read there, large
+        remote objects in shared memory); None, the default: read in the event loop and sent."""
         return None
 
     def key(self, index: int) -> str:

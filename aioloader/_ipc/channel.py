@@ -177,6 +177,8 @@ class Channel:
     def __init__(self, sock: socket.socket) -> None:
         self.socket = sock
         self._buffered = b""
+        self.received = 0
+        """Bytes of the last message `receive` gave, its head included."""
 
     def send(self, message: Any, fds: Sequence[int] = ()) -> None:
         self.send_bytes(dumps(message), fds)
@@ -206,7 +208,7 @@ class Channel:
         while len(buffered) < LENGTH.size:
             buffered += self._recv()
         (length,) = LENGTH.unpack_from(buffered)
-        end = LENGTH.size + length
+        end = self.received = LENGTH.size + length
         if len(buffered) >= end:
             self._buffered = buffered[end:]
             return pickle.loads(memoryview(buffered)[LENGTH.size:end])

@@ -100,6 +100,9 @@ class ChunkResult:
     copy_state: Any = None
     """An IterableDataset's chunk: where the worker's copy stood after it
     (`FromTorchIterable.snapshot`)."""
+    received: int = 0
+    """Bytes of the chunk's message, as its decode process received them through its channel
+    (0: decoded where it was made, or by a backend that does not say)."""
     read_errors: dict[int, Exception] = field(default_factory=dict)
     """By sample index: a read in the decode process that failed (a `FetchError` of a file
     read there), raised or skipped as a failed read, not as a failed decode."""

@@ -79,9 +79,10 @@ class PassFactory:
         dataset = config.dataset
         if (isinstance(dataset, Dataset) and config.num_workers
                 and (executor is None or isinstance(executor, Executor))):
-            dataset = dataset.read_in_decode() or dataset  # on this machine: read there
+            dataset = dataset.for_local_decode() or dataset
         self.dataset = dataset
-        """The data as the passes read it (large local files: in the decode processes)."""
+        """The data as the passes read it (large objects: read in the decode processes, or
+        into shared memory for them)."""
         if config.cache is not None:
             config.cache.attach(len(cast(Dataset, dataset)))
         self.concurrency = config.concurrency
@@ -101,8 +102,8 @@ class PassFactory:
         load, threads = (dataset.load_in_workers() if isinstance(dataset, FromTorchIterable)
                          else (None, 1) if isinstance(dataset, Stream)
                          else dataset.load_in_workers() or (None, 1))
-        self.stats.load_threads = threads if load is not None else 0
-        self.stats.read_in_decode = dataset is not config.dataset
+        self.stats.load_threads = threads if load is not None and dataset is config.dataset else 0
+        self.stats.read_in_decode = isinstance(dataset, Dataset) and dataset.reads_in_decode
         self.spec = DecodeSpec(
             config.decode, config.collate if config.batch_size else None, config.skip_errors,
             config.seed, config.augment, config.cache, load, threads,

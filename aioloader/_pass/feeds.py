@@ -25,6 +25,7 @@ from .._cache import CACHED, SharedCache
 from .._datasets import Dataset, Stream
 from .._errors import FetchError, SampleError, SampleFetchError, typed
 from .._ipc.messages import ChunkResult
+from .._ipc.shared_bytes import SharedBytes
 from .._sampling import EpochPlan
 from .._stats import LoaderStats, now
 from .._tasks import TaskSet
@@ -96,7 +97,7 @@ def estimate_bytes(value: Any, depth: int = 0) -> int:
     """Roughly what a raw item holds in memory, for the memory limit."""
     if isinstance(value, (bytes, bytearray, str)):
         return len(value)
-    if isinstance(value, memoryview | np.ndarray):
+    if isinstance(value, memoryview | np.ndarray | SharedBytes):
         return int(value.nbytes)
     if depth < 2 and isinstance(value, (tuple, list)):
         return sum(estimate_bytes(v, depth + 1) for v in value)

@@ -28,6 +28,7 @@ import numpy as np
 from .._errors import LoaderError, RemoteTraceback, SampleError, StallError, named_type, typed
 from .._ipc import shm, transport
 from .._ipc.messages import Chunk, ChunkResult, Layout
+from .._ipc.shared_bytes import shared_nbytes
 from .._ipc.transport import BlockPool, Slot
 from .._scheduling.decoders import Decoder
 from .._stats import LoaderStats, now
@@ -336,11 +337,13 @@ class Pass:
 
     def hold(self, pending: Pending, raw: Any, weight: int = 1) -> None:
         size = estimate_bytes(raw)
+        self._stats.shared_bytes += shared_nbytes(raw)
         self._count_raw(pending, size * weight, size, 64)
 
     def hold_all(self, pending: Pending, raws: list[Any]) -> None:
         if raws:
             size = sum(map(estimate_bytes, raws))
+            self._stats.shared_bytes += sum(map(shared_nbytes, raws))
             self._count_raw(pending, size, size / len(raws), 1)
 
     def _count_raw(self, pending: Pending, size: int, per_sample: float, weight: int) -> None:
@@ -657,6 +660,7 @@ class Pass:
 
     def _record(self, result: ChunkResult) -> None:
         self._stats.decode.extend(result.durations)
+        self._stats.bytes_to_decode += result.received
         if result.span is not None:
             self._stats.event(result.process, *result.span, "decode")
 

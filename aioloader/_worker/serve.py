@@ -94,7 +94,10 @@ def serve(descriptor: int) -> int:
             return 1
         channel.send(Ready(os.getpid()))
         while (message := channel.receive()) != STOP:
-            channel.send_bytes(dumps_data(Done(message.id, respond(spec, message.chunk))))
+            result = respond(spec, message.chunk)
+            result.received = channel.received
+            channel.send_bytes(dumps_data(Done(message.id, result)))
+            del result
             if not reported:
                 reported = True
                 channel.send(Imported(installed_packages(set(sys.modules) - preloaded)))

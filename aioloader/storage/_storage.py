@@ -66,6 +66,15 @@ class Storage(AsyncClosing):
         self._hedger = hedge if isinstance(hedge, Hedger) else (
             Hedger(self.counters) if hedge else None)
 
+    @property
+    def max_object_bytes(self) -> int:
+        return self._settings.max_object_bytes
+
+    @property
+    def caches_on_disk(self) -> bool:
+        """Remote reads go through a disk cache (`read` only: a stream bypasses it)."""
+        return self._disk_cache is not None
+
     def _store(self, url: str) -> Store:
         """The store for the URL, made on first use."""
         kind = store_class(url)
