@@ -91,6 +91,9 @@ class LoaderStats:
     """Local files read in the decode processes, where they are decoded, not in the event loop
     (large ones: `Files.for_local_decode`); `fetch` and the storage's figures then leave them
     out, and `decode` counts their reads."""
+    memory_wait: float = 0.0
+    """Seconds reading waited for room under `memory_limit` (batches held, in shared memory,
+    in the queue or by the consumer, count against it)."""
     bytes_to_decode: int = 0
     """Bytes of the chunks' messages, as the decode processes received them through their
     channels (raw items that are bytes travel in them)."""
@@ -162,15 +165,32 @@ class LoaderStats:
         self.raw_events.append((row, start, end, kind))
 
     def verdict(self) -> str:
-        """Which stage bounds the loader, and the knob to turn."""
+        """Which stage bounds the loader, and the knob to turn; and batches that came back
+        pickled because shared memory was short."""
         if not self.batches or self.busy_seconds <= 0:
             return "no batches yet"
+        short = self.transport.get("no_space", 0)
+        return self._bound() + (
+            f"; {short} of {self.batches} batches came back pickled (slower) because shared "
+            "memory had no room (the memory this job may use is spent): lower memory_limit or "
+            "prefetch, or raise the job's memory limit" if short else "")
+
+    def _bound(self) -> str:
         spent = self.consumer_wait.total + self.consumer_work.total
         waited = self.consumer_wait.total / spent if spent > 0 else 1.0
         if waited < 0.1:
             return (
                 f"bound by the consumer: it waited for data {waited:.0%} of the time; the loader "
                 "keeps up (prefetch absorbs the jitter)"
+            )
+        held_back = self.memory_wait / self.busy_seconds
+        if held_back > 0.5:
+            return (
+                f"bound by memory_limit: reading or decoding waited for room "
+                f"{min(held_back, 1):.0%} of the time, and the consumer for data {waited:.0%}; "
+                "batches held (decoded, "
+                "queued, or kept by the consumer) count against it: raise memory_limit, or "
+                "keep fewer batches"
             )
         workers = max(self.decode_processes, 1)
         # with loads in the decode processes, each runs load_threads samples at once

@@ -117,3 +117,13 @@ def test_bench_reads_parquet_files_named_by_a_brace_pattern(tmp_path: Path) -> N
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "20 samples in 4 batches" in done.stdout
+
+
+def test_the_verdict_says_when_batches_came_pickled_for_want_of_shared_memory() -> None:
+    stats = aioloader.LoaderStats(batches=10, busy_seconds=1.0)
+    stats.consumer_work.add(1.0)  # bound by the consumer
+    stats.transport.update(pickled=3, no_space=3)
+    assert stats.verdict().endswith(
+        "; 3 of 10 batches came back pickled (slower) because shared memory had no room (the "
+        "memory this job may use is spent): lower memory_limit or prefetch, or raise the "
+        "job's memory limit")

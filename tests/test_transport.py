@@ -121,20 +121,18 @@ def test_kept_batches_never_change_while_blocks_are_reused(
 ) -> None:
     loader = aioloader.Loader(aioloader.Files(urls), decode=big_image, batch_size=4,
                               prefetch=1, concurrency=4, service=service)
-    kept_all, kept_one = [], None
+    kept_one = None
     with loader:
-        for epoch in range(2):
-            for batch in loader:
-                if epoch == 0:
-                    kept_all.append(batch)  # holds every block: the pool runs dry, then pickles
-                else:
-                    kept_one = batch  # holds one at a time: blocks are reused
-        assert loader.stats.transport["pickled"] > 0 and loader.stats.transport["shared"] > 0
-        if service is None:
+        kept_all = list(loader)  # holds every block: more are lent, none pickled
+        assert loader.stats.transport == {"shared": len(kept_all), "pickled": 0}
+        indices = [int(i) for batch in kept_all for i in batch[:, 0, 0, 0]]
+        assert indices == list(range(SAMPLE_COUNT))
+        del kept_all
+        for batch in loader:
+            kept_one = batch  # holds one at a time: blocks are reused
+        if service is None:  # those lent past the pool's size went with their batches
             assert loader._factory.blocks is not None
             assert loader._factory.blocks.segments <= loader._factory.blocks.max_blocks
-    indices = [int(i) for batch in kept_all for i in batch[:, 0, 0, 0]]
-    assert indices == list(range(SAMPLE_COUNT))
     assert kept_one is not None and int(kept_one[-1, 0, 0, 0]) == SAMPLE_COUNT - 1
 
 
@@ -158,3 +156,21 @@ def test_break_consumer_error_and_killed_worker_leave_no_segments(urls: list[str
     ) as loader:
         list(loader)
     assert not segments_settle(before)
+
+
+def test_batches_kept_past_the_memory_limit_stay_shared_and_the_verdict_names_the_limit(
+    local_paths: list[str]
+) -> None:
+    """Kept batches count against memory_limit wherever they are: the loader then waits for
+    room, says so, and still hands every batch over in shared memory, none pickled."""
+    loader = aioloader.Loader(aioloader.Files(local_paths), decode=big_image, batch_size=4,
+                              memory_limit=4 * 4 * 48 * 1024, num_workers=2, service=None)
+    kept = []
+    for batch in loader:
+        kept.append(batch)
+        time.sleep(0.02)  # the consumer's step
+    assert [int(i) for batch in kept for i in batch[:, 0, 0, 0]] == list(range(SAMPLE_COUNT))
+    stats = loader.stats
+    assert stats.transport == {"shared": len(kept), "pickled": 0}
+    assert stats.verdict().startswith("bound by memory_limit: reading or decoding waited")
+    assert "came back pickled" not in stats.verdict()

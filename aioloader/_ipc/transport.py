@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import resource
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -275,7 +276,11 @@ class BlockPool(ProcessBound):
 
     A task is lent a free block, or, while there are fewer than `max_blocks`, a fresh one the
     decode process gives its size: how many bytes that comes to is the memory budget's to
-    bound (`budget.py`), which admits a chunk only when its batch fits. A block too small for a
+    bound (`budget.py`), which admits a chunk only when its batch fits. Past `max_blocks`
+    (batches a consumer keeps hold of), a fresh block is lent all the same, removed when
+    released: a batch is pickled only when shared memory is short, or when the blocks would
+    take a quarter of the descriptors this process may open (each costs two: the pool's, and
+    its mapping's). A block too small for a
     later batch, or idle past the room the budget leaves, is removed rather than kept.
     The pool holds each block by its descriptor; removing one closes it, and its memory goes
     with the last mapping (a process still writing it, a view still held). When this process
@@ -309,11 +314,14 @@ class BlockPool(ProcessBound):
         """Blocks removed rather than kept when released."""
         self._lock = threading.Lock()
         self._closed = False
+        self._most = max(max_blocks, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 8)
+        """Blocks at once, lent past `max_blocks` included."""
         reaper.start()  # releases from finalizers may go there
 
     def lease(self, once: bool = False) -> Slot | None:
-        """A block for one task, or None when all are lent out (then the result is pickled).
-        `once`: a fresh block, removed when released (a part of a batch: an odd size)."""
+        """A block for one task, or None when the descriptors blocks may take are spent (then
+        the result is pickled). `once`: a fresh block, removed when released (a part of a
+        batch: an odd size; past `max_blocks`)."""
         if self.foreign:  # a forked child: the blocks are the parent's
             return None
         with self._lock:
@@ -322,8 +330,9 @@ class BlockPool(ProcessBound):
             if self._free and not once:
                 name = self._free.pop()
                 return Slot(name, self._sizes[name])
-            if len(self._sizes) >= self.max_blocks:
+            if len(self._sizes) >= self._most:
                 return None
+            once = once or len(self._sizes) >= self.max_blocks
             name, self._descriptors[name] = shm.new_block()
             self._sizes[name] = 0
             if once:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import heapq
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
@@ -117,6 +117,9 @@ class Pass:
         self._stage_changed = asyncio.Event()
         """Set when the decode stage may have something to do."""
         self._room_changed = asyncio.Event()
+        self._holding = 0
+        """Stages waiting for room under the memory limit now (`_held_back`)."""
+        self._held_since = 0.0
         """Set when the source may have room to read more."""
         self._fed = False
         self._feed_error: BaseException | None = None
@@ -315,7 +318,25 @@ class Pass:
     async def room(self) -> None:
         while not self.has_room():
             self._room_changed.clear()
-            await self._room_changed.wait()
+            with self._held_back(self._committed() >= self.config.memory_limit):
+                await self._room_changed.wait()
+
+    @contextlib.contextmanager
+    def _held_back(self, by_memory: bool) -> Iterator[None]:
+        """Count the wall time while reading or decoding (either) waits for room under the
+        memory limit (`stats.memory_wait`)."""
+        if not by_memory:
+            yield
+            return
+        if not self._holding:
+            self._held_since = now()
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            if not self._holding:
+                self._stats.memory_wait += now() - self._held_since
 
     def _committed(self) -> int:
         """What reading more would commit the loader to: raw bytes held, and everything else
@@ -385,12 +406,14 @@ class Pass:
         while True:
             while not self._fed and not self._may_decode():
                 self._stage_changed.clear()
-                await self._stage_changed.wait()
+                with self._held_back(self._short_of_room()):
+                    await self._stage_changed.wait()
             if not self._ready:
                 break
             if not self._may_decode():  # everything is fed: wait for the window only
                 self._stage_changed.clear()
-                await self._stage_changed.wait()
+                with self._held_back(self._short_of_room()):
+                    await self._stage_changed.wait()
                 continue
             pending = heapq.heappop(self._ready)[2]
             pending.reserved = self._chunk_cost()
@@ -406,6 +429,10 @@ class Pass:
         if self._feed_error is not None:
             self._handover.put(Finished(self._next_step, Failed(self._feed_error), 0, now()))
         self._handover.finish()
+
+    def _short_of_room(self) -> bool:
+        """A chunk is ready to decode, and what it will hold does not fit in the room."""
+        return bool(self._ready) and self._chunk_cost() > self._budget.room()
 
     def _may_decode(self) -> bool:
         """Whether the first ready chunk may start decoding. In order, the window is a distance
