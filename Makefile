@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 BYTECODE = $(1)/python -m compileall -q aioloader benchmarks examples tests >/dev/null
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: install system-deps demo test lint bench bench-peers soak clean
+.PHONY: install system-deps demo test lint bench bench-peers bench-dlio soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,13 +79,18 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/large_samples.py
 	$(BIN)/python benchmarks/mlperf_storage.py
 
+# a benchmark's venv of its own, $(1), with the local CPU torch pinned (constraints.txt) first
+define TORCH_VENV
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet torch==2.13.0
+	echo torch==2.13.0 > $(1)/constraints.txt
+endef
+
 # the streaming loaders aioloader is compared with, and HF datasets, in a venv of their own
 PEERS := .venv-peers
 $(PEERS)/.installed: benchmarks/peers-requirements.txt pyproject.toml
-	$(PYTHON) -m venv $(PEERS)
-	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
-	$(PEERS)/bin/python -m pip install --quiet torch==2.13.0
-	echo torch==2.13.0 > $(PEERS)/constraints.txt
+	$(call TORCH_VENV,$(PEERS))
 	$(PEERS)/bin/python -m pip install --quiet -c $(PEERS)/constraints.txt \
 		-r benchmarks/peers-requirements.txt
 	$(PEERS)/bin/python -m pip uninstall --quiet -y torchvision
@@ -98,5 +103,22 @@ bench-peers: $(PEERS)/.installed
 	$(PEERS)/bin/python benchmarks/parquet.py
 	$(PEERS)/bin/python benchmarks/shuffle_quality.py
 
+# DLIO 2.0.0 (MLPerf Storage's engine) with aioloader as its data-loader plugin, in a venv of
+# its own; MPI from Debian
+DLIO := .venv-dlio
+$(DLIO)/.installed: benchmarks/dlio-requirements.txt pyproject.toml
+	@command -v mpirun >/dev/null || { SUDO=$$( [ "$$(id -u)" -eq 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install \
+		-y -qq --no-install-recommends openmpi-bin libopenmpi-dev; }
+	$(call TORCH_VENV,$(DLIO))
+	$(DLIO)/bin/python -m pip install --quiet -c $(DLIO)/constraints.txt \
+		-r benchmarks/dlio-requirements.txt
+	$(DLIO)/bin/python -m pip install --quiet --no-deps dlio-benchmark==2.0.0
+	$(DLIO)/bin/python -m pip install --quiet -c $(DLIO)/constraints.txt -e .
+	touch $@
+
+bench-dlio: $(DLIO)/.installed
+	PATH=$(CURDIR)/$(DLIO)/bin:$$PATH $(DLIO)/bin/python benchmarks/dlio.py
+
 clean:
-	rm -rf $(VENV) $(PEERS) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) $(DLIO) .pytest_cache .mypy_cache .ruff_cache

@@ -2,10 +2,12 @@
 another number of ranks.
 
     python examples/distributed_tar_shards.py --out results/ [--format parquet] [--service node]
+        [--store s3]
 
 writes scikit-learn's handwritten digits into 9 WebDataset tar shards of uneven sizes (or 9
 Parquet files whose row groups are as uneven, or 9 TFRecord files of `tf.train.Example`s), serves
-them from the project's test server on 127.0.0.1, and trains a small model with
+them from the project's test server on 127.0.0.1 (or, with `--store s3`, from moto's S3 server
+there: the dev extra has it), and trains a small model with
 DistributedDataParallel (gloo, CPU) under torchrun: two ranks for two epochs and part of a
 third, where rank 0 saves a checkpoint (the model and `loader.state_dict()`); then three ranks
 resume from it and finish. Every rank takes the same number of steps in every epoch (an epoch
@@ -20,14 +22,18 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,21 +153,59 @@ def fork_a_child_that_exits() -> None:
     os.waitpid(pid, 0)
 
 
+@contextlib.contextmanager
+def served_over_http(folder: Path) -> Iterator[str]:
+    """The project's test server on the folder, 5 ms per request: the files' base URL."""
+    from aioloader.testing import TestServer
+
+    with TestServer(folder, latency_ms=5) as server:
+        yield server.url
+
+
+@contextlib.contextmanager
+def served_over_s3(folder: Path) -> Iterator[str]:
+    """The folder's files in a bucket of moto's S3 server on 127.0.0.1, which the ranks reach
+    through the AWS_* variables they inherit: the files' base URL."""
+    import boto3
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                   "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    os.environ.update(credentials)
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint)
+        for _ in range(300):  # 30 s for the server to listen
+            try:
+                client.create_bucket(Bucket="digits")
+                break
+            except Exception:
+                time.sleep(0.1)
+        for path in sorted(folder.iterdir()):
+            client.upload_file(str(path), "digits", path.name)
+        yield "s3://digits/"
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
 def torchrun(ranks: int, *arguments: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={ranks}", __file__, *arguments]
     subprocess.run(command, check=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def launch(out: Path, format: str, service: str) -> None:
+def launch(out: Path, format: str, service: str, store: str) -> None:
     """Two ranks for epochs 0, 1 and 6 steps of 2; three ranks resume and finish epoch 2."""
-    from aioloader.testing import TestServer
-
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
         names = write_shards(Path(folder), format)
-        with TestServer(folder, latency_ms=5) as server:
-            urls = ",".join(server.url + name for name in names)
+        with (served_over_s3 if store == "s3" else served_over_http)(Path(folder)) as base:
+            urls = ",".join(base + name for name in names)
             common = ["--urls", urls, "--out", str(out), "--epochs", "3", "--service", service]
             torchrun(2, *common, "--stop-after", "6")
             torchrun(3, *common, "--resume", str(out / "checkpoint.pt"))
@@ -178,6 +222,7 @@ def main() -> None:
     parser.add_argument("--format", choices=["tar", "parquet", "tfrecord"], default="tar")
     parser.add_argument("--service", choices=["process", "node", "none"], default="process",
                         help="a loader service per rank, one for the node's ranks, or none")
+    parser.add_argument("--store", choices=["http", "s3"], default="http")
     parser.add_argument("--urls", help="set by the launcher: the shards, comma-separated")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--stop-after", type=int, default=None)
@@ -187,7 +232,7 @@ def main() -> None:
         train(args.urls.split(","), args.service, args.epochs, args.out, args.stop_after,
               args.resume)
     else:
-        launch(args.out, args.format, args.service)
+        launch(args.out, args.format, args.service, args.store)
 
 
 if __name__ == "__main__":

@@ -61,18 +61,22 @@ def test_executor_and_worker_init_do_not_mix(urls: list[str]) -> None:
         aioloader.Loader(aioloader.Files(urls), executor=executor, worker_init=print)
 
 
-@pytest.mark.parametrize(("format", "service"),
-                         [("tar", "process"), ("parquet", "node"), ("tfrecord", "none")])
+@pytest.mark.parametrize(("format", "service", "store"),
+                         [("tar", "process", "http"), ("parquet", "node", "http"),
+                          ("tfrecord", "none", "s3")])
 def test_torchrun_on_uneven_shards_steps_together_resumes_on_three_ranks_and_survives_a_fork(
-    tmp_path: Path, format: str, service: str
+    tmp_path: Path, format: str, service: str, store: str
 ) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     if format == "parquet":
         pytest.importorskip("pyarrow")
+    if store == "s3":
+        for needed in ("moto", "boto3", "obstore"):
+            pytest.importorskip(needed)
     job = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "distributed_tar_shards.py"),
-         "--out", str(tmp_path), "--format", format, "--service", service],
+         "--out", str(tmp_path), "--format", format, "--service", service, "--store", store],
         timeout=400, capture_output=True, text=True,
     )
     assert job.returncode == 0, f"the job failed:\n{job.stdout[-3000:]}\n{job.stderr[-6000:]}"

@@ -1,0 +1,61 @@
+"""aioloader inside DLIO (the engine behind MLPerf Storage) as a data-loader plugin: DLIO runs
+its workload, sleeps its compute time per batch and reports its accelerator utilisation; the
+batches come from aioloader instead of DLIO's PyTorch loader.
+
+Written as a DLIO user writes one (DLIO's "Creating a Data Loader Plugin"): a `BaseDataLoader`
+whose `read` builds the loader once and whose `next` yields an epoch's batches. The files are
+DLIO's own list; the rank and world size are DLIO's MPI communicator's; a decode process reads
+each sample as DLIO's reader does (`np.load(file)["x"]`) and hands over DLIO's resized image
+(`dlio_sample.py`: decode lives where importing it does not import DLIO).
+With several ranks on a node, one `service="node"` serves them all.
+
+    mpirun -np 2 dlio_benchmark workload=unet3d_a100 \
+        ++workload.reader.data_loader_classname=dlio_aioloader.AioloaderDataLoader \
+        ++workload.reader.data_loader_sampler=index
+
+with this folder on PYTHONPATH (`benchmarks/dlio.py` runs exactly that, next to DLIO's own
+PyTorch loader, and prints both AUs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from dlio_benchmark.common.enumerations import DataLoaderType, DatasetType, Shuffle
+from dlio_benchmark.data_loader.base_data_loader import BaseDataLoader
+from dlio_sample import DlioSample
+
+import aioloader
+
+
+class AioloaderDataLoader(BaseDataLoader):  # type: ignore[misc]
+    def __init__(self, format_type: Any, dataset_type: Any, epoch_number: int) -> None:
+        super().__init__(format_type, dataset_type, epoch_number, DataLoaderType.PYTORCH)
+        self._loader: aioloader.Loader | None = None
+
+    def read(self) -> None:
+        args = self._args
+        train = self.dataset_type is DatasetType.TRAIN
+        files = args.file_list_train if train else args.file_list_eval
+        # mpirun says how many ranks share this node; the node's service counts them
+        os.environ.setdefault("LOCAL_WORLD_SIZE",
+                              os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+        self._loader = aioloader.Loader(
+            aioloader.Files(files), decode=DlioSample(args.resized_image),
+            batch_size=self.batch_size, drop_last=True,
+            shuffle=args.sample_shuffle is not Shuffle.OFF, seed=args.seed,
+            num_workers=max(args.read_threads, 1), prefetch=max(args.prefetch_size, 2),
+            rank=args.my_rank, world_size=args.comm_size,
+            service="node" if args.comm_size > 1 else "process", persistent_workers=True)
+
+    def next(self) -> Iterator[Any]:
+        super().next()
+        assert self._loader is not None, "read() first"
+        yield from self._loader
+        self.epoch_number += 1
+
+    def finalize(self) -> None:
+        """DLIO calls this after every epoch: the loader, its service and its decode
+        processes stay for the next one (they end with the process)."""
