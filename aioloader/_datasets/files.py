@@ -131,7 +131,6 @@ class Files(Dataset):
             return data
         return [(d, self._labels[i].item()) for d, i in zip(data, indices, strict=True)]
 
-
     async def _read_shared(self, url: str) -> bytes | SharedBytes:
         """A remote object, into shared memory as it arrives once objects are known to be
         large; until then, and through a disk cache, read as any other."""
