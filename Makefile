@@ -67,6 +67,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/remote_latency.py
 	$(BIN)/python benchmarks/tail_latency.py
 	$(BIN)/python benchmarks/formats.py
+	$(BIN)/python benchmarks/tfrecord_s3.py
 	$(BIN)/python benchmarks/decode.py
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/from_torch.py
