@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import psutil
 from peers_formats import import_streaming_base
-from peers_s3 import read_stats
+from peers_s3 import PerProcessS3, read_stats
 
 from aioloader._tools.images import decode_and_augment
 
@@ -234,24 +234,16 @@ def build_webdataset(plan: Plan) -> Built:
     return torch_built(dataset)
 
 
-class S3Objects:
+class S3Objects(PerProcessS3):
     """What a PyTorch user writes for objects in S3: one get_object per item, a boto3 client
     made lazily in each worker process."""
 
     def __init__(self, endpoint: str, bucket: str, keys: list[str]) -> None:
-        self.endpoint, self.bucket, self.keys = endpoint, bucket, keys
-        self._client: Any = None
-        self._pid = 0
+        super().__init__(endpoint, bucket)
+        self.keys = keys
 
     def __len__(self) -> int:
         return len(self.keys)
-
-    def client(self) -> Any:
-        if self._client is None or self._pid != os.getpid():
-            import boto3
-
-            self._client, self._pid = boto3.client("s3", endpoint_url=self.endpoint), os.getpid()
-        return self._client
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         key = self.keys[index]

@@ -284,6 +284,24 @@ class Servers:
         self.close()
 
 
+class PerProcessS3:
+    """The S3 side of a map-style dataset as a PyTorch user writes it: a boto3 client made
+    lazily in each process (a forked worker must not share its parent's connections);
+    credentials from the environment."""
+
+    def __init__(self, endpoint: str, bucket: str) -> None:
+        self.endpoint, self.bucket = endpoint, bucket
+        self._client: Any = None
+        self._pid = 0
+
+    def client(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            import boto3
+
+            self._client, self._pid = boto3.client("s3", endpoint_url=self.endpoint), os.getpid()
+        return self._client
+
+
 def read_stats(endpoint: str) -> Counter[str]:
     with urllib.request.urlopen(f"{endpoint}{CONTROL}/stats", timeout=30) as response:
         return Counter(json.load(response))

@@ -18,11 +18,10 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from benchmarks_common import samples_per_second
-from peers_s3 import Servers, upload
+from peers_s3 import PerProcessS3, Servers, upload
 
 import aioloader
 from aioloader import recordio, tfrecord
@@ -36,28 +35,16 @@ def first_byte(raw: bytes) -> int:
     return raw[0]
 
 
-class RangedTFRecords:
+class RangedTFRecords(PerProcessS3):
     """A DataLoader user's TFRecord on S3: the index read once, one ranged GET per record."""
 
-    def __init__(self, bucket: str, keys: list[str], where: list[tuple[int, int, int]],
-                 environment: dict[str, str]) -> None:
-        self.bucket, self.keys, self.where = bucket, keys, where
-        self.environment = environment
-        self._client: Any = None
-        self._pid = 0
+    def __init__(self, endpoint: str, bucket: str, keys: list[str],
+                 where: list[tuple[int, int, int]]) -> None:
+        super().__init__(endpoint, bucket)
+        self.keys, self.where = keys, where
 
     def __len__(self) -> int:
         return len(self.where)
-
-    def client(self) -> Any:
-        """One client per process: a forked worker must not share its parent's connections."""
-        if self._client is None or self._pid != os.getpid():
-            import boto3
-
-            self._client, self._pid = boto3.client(
-                "s3", endpoint_url=self.environment["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                aws_access_key_id="testing", aws_secret_access_key="testing"), os.getpid()
-        return self._client
 
     def __getitem__(self, index: int) -> int:
         file, start, size = self.where[index]
@@ -112,8 +99,8 @@ def main() -> None:
         import torch.utils.data
 
         sample = min(args.records, 640)  # one GET per record: slow enough to time on fewer
-        theirs = RangedTFRecords("records", [f"part-{n}.tfrecord" for n in range(FILES)],
-                                 where[:sample], servers.environment())
+        theirs = RangedTFRecords(servers.endpoint, "records",
+                                 [f"part-{n}.tfrecord" for n in range(FILES)], where[:sample])
         baseline = samples_per_second(
             torch.utils.data.DataLoader(theirs, batch_size=BATCH, shuffle=True, num_workers=2),
             sample, "DataLoader")
