@@ -92,8 +92,8 @@ class LoaderStats:
     (large ones: `Files.for_local_decode`); `fetch` and the storage's figures then leave them
     out, and `decode` counts their reads."""
     memory_wait: float = 0.0
-    """Seconds reading waited for room under `memory_limit` (batches held, in shared memory,
-    in the queue or by the consumer, count against it)."""
+    """Seconds reading or decoding (either) waited for room under `memory_limit` (batches
+    held, in shared memory, in the queue or by the consumer, count against it)."""
     bytes_to_decode: int = 0
     """Bytes of the chunks' messages, as the decode processes received them through their
     channels (raw items that are bytes travel in them)."""
@@ -188,9 +188,8 @@ class LoaderStats:
             return (
                 f"bound by memory_limit: reading or decoding waited for room "
                 f"{min(held_back, 1):.0%} of the time, and the consumer for data {waited:.0%}; "
-                "batches held (decoded, "
-                "queued, or kept by the consumer) count against it: raise memory_limit, or "
-                "keep fewer batches"
+                "batches held (decoded, queued, or kept by the consumer) count against it: "
+                "raise memory_limit, or keep fewer batches"
             )
         workers = max(self.decode_processes, 1)
         # with loads in the decode processes, each runs load_threads samples at once

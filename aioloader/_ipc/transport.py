@@ -280,8 +280,8 @@ class BlockPool(ProcessBound):
     (batches a consumer keeps hold of), a fresh block is lent all the same, removed when
     released: a batch is pickled only when shared memory is short, or when the blocks would
     take a quarter of the descriptors this process may open (each costs two: the pool's, and
-    its mapping's). A block too small for a
-    later batch, or idle past the room the budget leaves, is removed rather than kept.
+    its mapping's). A block too small for a later batch, or idle past the room the budget
+    leaves, is removed rather than kept.
     The pool holds each block by its descriptor; removing one closes it, and its memory goes
     with the last mapping (a process still writing it, a view still held). When this process
     ends, however it ends, so do its blocks.

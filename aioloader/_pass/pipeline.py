@@ -117,10 +117,10 @@ class Pass:
         self._stage_changed = asyncio.Event()
         """Set when the decode stage may have something to do."""
         self._room_changed = asyncio.Event()
+        """Set when the source may have room to read more."""
         self._holding = 0
         """Stages waiting for room under the memory limit now (`_held_back`)."""
         self._held_since = 0.0
-        """Set when the source may have room to read more."""
         self._fed = False
         self._feed_error: BaseException | None = None
         self._next_step = 0
