@@ -242,6 +242,16 @@ class Loader(Closing, AsyncClosing):
         (asked for now while a pass runs), with the batches and waits seen here."""
         return self._service.stats(self._factory.stats)
 
+    def start(self) -> None:
+        """Start now what the first pass would otherwise start and wait for, and return once
+        it is ready: the loader service (a node's: joined) and, with `persistent_workers`, the
+        decode processes, each with decode's modules imported and `worker_init` run. The first
+        epoch then pays for none of it: a job whose ranks wait for each other at every step,
+        a benchmark that times epochs. Optional: a pass starts them anyway. Blocking (from
+        `async` code: `await asyncio.to_thread(loader.start)`), each wait bounded. A
+        decode process that fails to start is reported by the first pass, as without it."""
+        self._runner.start()
+
     # -- epochs and state ------------------------------------------------------------------
 
     @property

@@ -49,6 +49,8 @@ class AioloaderDataLoader(BaseDataLoader):  # type: ignore[misc]
             num_workers=max(args.read_threads, 1), prefetch=max(args.prefetch_size, 2),
             rank=args.my_rank, world_size=args.comm_size,
             service="node" if args.comm_size > 1 else "process", persistent_workers=True)
+        # DLIO times its epochs from here: start the service and decode processes now
+        self._loader.start()
 
     def next(self) -> Iterator[Any]:
         super().next()

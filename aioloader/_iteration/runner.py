@@ -96,6 +96,22 @@ class Runner:
         with self._lock:
             self._at = at
 
+    def start(self) -> None:
+        """`Loader.start`: what a pass at the current position would wait for, started now;
+        nothing while a pass runs (it started them)."""
+        self._factory.pools.check_process()
+        with self._lock:
+            if self._closed:
+                raise LoaderError("this Loader is closed; build a new one")
+            if self._handle is not None or self._opening:
+                return
+            epoch = self._at.epoch
+        config = self._factory.config
+        if config.service is None:
+            self._factory.start_decoding(epoch)
+        else:
+            self._service.start(config).start_decoding(epoch)
+
     def open(self) -> Handle:
         """A started pass for `for`."""
         self._factory.pools.check_process()

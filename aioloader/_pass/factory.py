@@ -28,6 +28,7 @@ from .._errors import LoaderError
 from .._ipc import shm
 from .._ipc.transport import BlockPool
 from .._processes.pool import DecodePool
+from .._processes.zygote import START_TIMEOUT
 from .._sampling import EpochPlan, Intervals, ShardInfo, Spawn, call_with_shard_info
 from .._scheduling.decoders import Decoder, InlineDecoder, PoolDecoder, Recovery
 from .._scheduling.remote import BackendHolder, RemoteDecoder
@@ -62,6 +63,8 @@ class Share(Protocol):
     ranks: int
 
     def decoder(self) -> Decoder: ...
+
+    def start_decoding(self) -> None: ...
 
 
 class PassFactory:
@@ -267,10 +270,7 @@ class PassFactory:
             return RemoteDecoder(self.backend.backend, self._recovery())
         if not config.num_workers or self.nothing_to_decode():
             return InlineDecoder(self.spec)
-        base_seed = int(
-            np.random.SeedSequence([config.seed, epoch], spawn_key=(Spawn.WORKER_SEEDS,))
-            .generate_state(1)[0]
-        )
+        base_seed = self._worker_seed(epoch)
 
         def get_pool() -> DecodePool:
             if config.persistent_workers:
@@ -278,6 +278,24 @@ class PassFactory:
             return DecodePool(self.spec, config.num_workers, base_seed, config.worker_init)
 
         return PoolDecoder(get_pool, not config.persistent_workers, self._recovery())
+
+    def start_decoding(self, epoch: int) -> None:
+        """Start now the decode processes a pass of `epoch` would start, when they persist from
+        pass to pass (a node's: every rank's), and wait until each said it is ready or ended:
+        what failed to start is reported by the first pass, as without this. Blocking."""
+        config = self.config
+        if self.share is not None:
+            self.share.start_decoding()
+        elif (config.persistent_workers and config.num_workers and self.backend is None
+                and not self.nothing_to_decode()):
+            self.pools.get(self.spec, config, self._worker_seed(epoch)).wait_settled(
+                START_TIMEOUT)
+
+    def _worker_seed(self, epoch: int) -> int:
+        return int(
+            np.random.SeedSequence([self.config.seed, epoch], spawn_key=(Spawn.WORKER_SEEDS,))
+            .generate_state(1)[0]
+        )
 
     def _recovery(self) -> Recovery:
         config = self.config

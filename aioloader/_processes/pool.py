@@ -48,6 +48,8 @@ class DecodeProcess(ProcessBound):
             raise
         self.id = worker_id
         self.ready = False
+        self.settled = threading.Event()
+        """Set once it said it is ready, or its channel ended (it failed to start, or died)."""
         self.alive = True
         """False once the channel ended (the process exited or was killed)."""
         self.retired = False
@@ -90,10 +92,12 @@ class DecodeProcess(ProcessBound):
                     continue
                 if isinstance(message, Ready):
                     self.ready = True
+                    self.settled.set()
                 self._deliver(self, message)
                 del message  # not held while the next is awaited: a result's block is lent
         except (EOFError, OSError):
             self.alive = False
+            self.settled.set()
             self._deliver(self, LOST)
 
     def kill(self) -> None:
@@ -184,6 +188,13 @@ class DecodePool(ProcessBound):
             self.processes[process.id] = fresh
         threading.Thread(target=process.close, name="aioloader-decode-reap", daemon=True).start()
         return fresh
+
+    def wait_settled(self, timeout: float) -> None:
+        """Wait (up to `timeout` s in all) until each process has said it is ready (its
+        decode's modules imported, worker_init run) or has ended."""
+        deadline = time.monotonic() + timeout
+        for process in list(self.processes):
+            process.settled.wait(max(0.0, deadline - time.monotonic()))
 
     @staticmethod
     def exit_status(process: DecodeProcess, wait: float) -> int | None:

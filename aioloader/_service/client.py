@@ -42,6 +42,8 @@ from .messages import (
     Error,
     Open,
     PassMessage,
+    Prepare,
+    Prepared,
     Ready,
     Removed,
     ServiceInit,
@@ -83,6 +85,8 @@ class ServiceClient(ProcessBound):
         """Messages of the pass stream (batches, its end), in order."""
         self._replies: deque[bytes] = deque()
         """Stats snapshots asked for."""
+        self._prepared = 0
+        """`Prepared` answers received."""
         self._released: deque[str] = deque()
         """Blocks whose last view died here, not yet told to the service."""
         self._maps: dict[str, mmap.mmap] = {}
@@ -218,6 +222,12 @@ class ServiceClient(ProcessBound):
         self._wait(lambda: bool(self._replies), started)
         return self._replies.popleft()
 
+    def start_decoding(self, epoch: int) -> None:
+        """Return once the decode processes a pass of `epoch` would use are ready."""
+        started, answered = time.monotonic(), self._prepared + 1
+        self._send(Prepare(self._take_released(), epoch))
+        self._wait(lambda: self._prepared >= answered, started)
+
     def _pop(self) -> PassMessage | None:
         """The next message of the current pass; those of a stopped pass are dropped."""
         while self._stream:
@@ -321,8 +331,12 @@ class ServiceClient(ProcessBound):
             for name in message.names:
                 self._maps.pop(name, None)
             return
-        (self._replies.append(message.stats) if isinstance(message, Stats)
-         else self._stream.append(message))
+        if isinstance(message, Stats):
+            self._replies.append(message.stats)
+        elif isinstance(message, Prepared):
+            self._prepared += 1
+        else:
+            self._stream.append(message)
         with self._arrived:
             self._arrived.notify_all()
 

@@ -88,7 +88,16 @@ class AskStats:
     released: list[str]
 
 
-ClientMessage = Open | Take | Waiting | Stop | AskStats
+@dataclass(frozen=True)
+class Prepare:
+    """Start the decode processes a pass of `epoch` would use (`Loader.start`); answered
+    with `Prepared` once they are ready."""
+
+    released: list[str]
+    epoch: int
+
+
+ClientMessage = Open | Take | Waiting | Stop | AskStats | Prepare
 
 
 # -- the service's ------------------------------------------------------------------------
@@ -133,6 +142,11 @@ PassMessage = Batch | End | Error | Stopped
 @dataclass(frozen=True)
 class Stats:
     stats: bytes
+
+
+@dataclass(frozen=True)
+class Prepared:
+    pass
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,11 @@ class NodeShare:
                 self._decoder.recovery.restarts = 0
         return SharedDecoder(self._decoder)
 
+    def start_decoding(self) -> None:
+        """The node's decode processes, started as the first rank was admitted: wait until
+        each is ready. Blocking."""
+        self.node.start_decoding(0)
+
     def _pool_decoder(self) -> Decoder:
         decoder = self.node.decoder(0)
         if isinstance(decoder, PoolDecoder):

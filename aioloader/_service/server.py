@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from .._blocking import off_loop
 from .._config import LoaderConfig
 from .._errors import LoaderError, RemoteTraceback
 from .._ipc.channel import Channel, Parts, dumps, dumps_data, frame, read_message
@@ -49,6 +50,8 @@ from .messages import (
     Error,
     Failed,
     Open,
+    Prepare,
+    Prepared,
     Ready,
     Removed,
     ServiceInit,
@@ -177,6 +180,9 @@ class Service:
             self._send(Stopped(self._stats()))
         elif isinstance(message, AskStats):
             self._send(Stats(self._stats()))
+        elif isinstance(message, Prepare):
+            await off_loop(self._factory.start_decoding, message.epoch)
+            self._send(Prepared())
 
     async def _run_pass(self, epoch: int, start: int, remaining: Any, copies: Any) -> None:
         running = self._running = await self._open_or_report(epoch, start, remaining, copies)
@@ -257,7 +263,8 @@ class Service:
     def _stats(self) -> bytes:
         return pickle.dumps(snapshot(self._factory.stats), pickle.HIGHEST_PROTOCOL)
 
-    def _send(self, message: Alive | Stopped | Stats | End | Error | Warned) -> None:
+    def _send(self, message: Alive | Stopped | Stats | End | Error | Warned | Prepared
+              ) -> None:
         self._write(dumps(message))
 
     def _write(self, data: bytes | Parts) -> None:
