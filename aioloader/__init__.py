@@ -36,6 +36,7 @@ __all__ = [
     "StreamBatches",
     "TFRecord",
     "TFRecordError",
+    "TFRecordStream",
     "TarFormatError",
     "TarShards",
     "WorkerDiedError",
@@ -70,6 +71,7 @@ _WHERE = {
     "StreamBatches": "_datasets",
     "TarShards": "_datasets",
     "TFRecord": "_datasets",
+    "TFRecordStream": "_datasets",
     "WorkerDiedError": "_errors",
     "WorkerInfo": "_worker.decode",
     "default_collate": "_collate",
@@ -100,6 +102,7 @@ if _typing.TYPE_CHECKING:
         StreamBatches,
         TarShards,
         TFRecord,
+        TFRecordStream,
         from_torch,
     )
     from ._errors import (

@@ -77,14 +77,15 @@ def _inflate(decompressor: Any, data: bytes) -> Iterator[bytes]:
             yield out
 
 
-async def inflated(chunks: AsyncIterator[bytes], where: str, kind: str
-                   ) -> AsyncGenerator[bytes, None]:
-    """A compressed shard's chunks, decompressed (gzip, bzip2, xz: what Python's `tarfile`
+async def inflated(chunks: AsyncIterator[bytes], where: str, kind: str,
+                   error: type[Exception] | None = None) -> AsyncGenerator[bytes, None]:
+    """A compressed file's chunks, decompressed (gzip, bzip2, xz: what Python's `tarfile`
     and so WebDataset read; streams one after another too, as gzip writes them), at most
-    INFLATED_CHUNK at a time."""
+    INFLATED_CHUNK at a time. What cannot be is `error` (the format's; TarFormatError)."""
+    error = error or TarFormatError
     if kind not in _DECOMPRESSORS:
-        raise TarFormatError(f"{where}: a {kind} stream: only gzip, bzip2 and xz shards are "
-                             "read (as Python's tarfile reads them); decompress it")
+        raise error(f"{where}: a {kind} stream: only gzip, bzip2 and xz are read (as Python's "
+                    "tarfile reads them); decompress it")
     decompressor = _DECOMPRESSORS[kind]()
     try:
         async for chunk in chunks:
@@ -97,9 +98,9 @@ async def inflated(chunks: AsyncIterator[bytes], where: str, kind: str
                     yield out
                 chunk = decompressor.unused_data if decompressor.eof else b""
     except (zlib.error, OSError, lzma.LZMAError, EOFError) as e:
-        raise TarFormatError(f"{where}: the {kind} stream is damaged: {e}") from None
+        raise error(f"{where}: the {kind} stream is damaged: {e}") from None
     if not decompressor.eof:
-        raise TarFormatError(f"{where}: the {kind} stream ends before its end")
+        raise error(f"{where}: the {kind} stream ends before its end")
 
 
 class TarFormatError(LoaderError):

@@ -514,7 +514,7 @@ def test_a_damaged_or_unread_compressed_shard_names_the_shard_and_what_is_wrong(
         "cut.tar.gz": (shard[:-20], "the gzip stream ends before its end"),
         "bad.tar.gz": (shard[:30] + bytes(40) + shard[70:], "the gzip stream is damaged"),
         "z.tar.zst": (b"\x28\xb5\x2f\xfd" + bytes(600),
-                      "a zstd stream: only gzip, bzip2 and xz shards are read"),
+                      "a zstd stream: only gzip, bzip2 and xz are read"),
     }
     for name, (data, message) in cases.items():
         (tmp_path / name).write_bytes(data)

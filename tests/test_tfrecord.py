@@ -108,7 +108,8 @@ def test_a_damaged_record_names_the_file_the_offset_and_which_crc(tmp_path: Path
     with pytest.raises(tfrecord.TFRecordError, match=rf"truncated record at offset {second}"):
         aioloader.TFRecord(str(path), index_dir=tmp_path / "j")
     path.write_bytes(b"\x1f\x8b" + bytes(100))
-    with pytest.raises(tfrecord.TFRecordError, match="GZIP-compressed TFRecord file"):
+    with pytest.raises(tfrecord.TFRecordError, match=r"bad\.tfrecord: the gzip stream is "
+                                                     "damaged"):
         aioloader.TFRecord(str(path), index_dir=tmp_path / "k")
 
 
@@ -166,3 +167,101 @@ def test_an_epoch_resumes_on_another_world_size_with_every_record_once(tmp_path:
         after += [x for batch in three for x in batch.tolist()]
     assert len(before) == 40 and len(before) + len(after) - 101 < 3  # repeats only to pad
     assert set(before) | set(after) == set(range(101)) and len(set(before) & set(after)) < 3
+
+
+def gzipped_reference(path: Path, count: int, first: int = 0) -> None:
+    """A file as TensorFlow's writer makes it with compression_type="GZIP": the framed
+    records, one gzip stream."""
+    import gzip
+
+    write_reference(path, count, first)
+    path.write_bytes(gzip.compress(path.read_bytes()))
+
+
+def test_gzip_files_stream_as_the_reference_reads_them_and_their_index_is_kept(
+        tmp_path: Path) -> None:
+    """TFRecordStream reads what tf.data reads with compression_type="GZIP", and plain files
+    beside them; the map-style TFRecord names it for a compressed file."""
+    gzipped_reference(tmp_path / "a.tfrecord", 30)
+    write_reference(tmp_path / "b.tfrecord", 20, first=30)
+    reference = list(tfrecord_loader(str(tmp_path / "a.tfrecord"), None,
+                                     compression_type="gzip"))
+    assert [int(r["label"][0]) for r in reference] == list(range(30))
+    urls = [str(tmp_path / "a.tfrecord"), str(tmp_path / "b.tfrecord")]
+    stream = aioloader.TFRecordStream(urls, index_dir=tmp_path / "i")
+    assert stream.compressions == ["gzip", None]
+    assert [p.name.endswith(".gzip.idx") for p in sorted((tmp_path / "i").rglob("*.idx"),
+                                                         key=lambda p: p.stat().st_size)] == \
+        [False, True]  # b's 20 records, then a's 30
+    loader = aioloader.Loader(stream, decode=parsed_record, batch_size=None, num_workers=0)
+    got = list(loader)
+    assert len(got) == 50 and all(same(p, as_ours(n)) for n, p in enumerate(got))
+    assert aioloader.TFRecordStream(urls, index_dir=tmp_path / "i").unit_sizes.tolist() == \
+        [30, 20]
+    with pytest.raises(tfrecord.TFRecordError, match=r"a\.tfrecord: a gzip-compressed "
+                                                     r"TFRecord file .*TFRecordStream"):
+        aioloader.TFRecord(urls, index_dir=tmp_path / "i")
+    data = (tmp_path / "a.tfrecord").read_bytes()
+    (tmp_path / "cut.tfrecord").write_bytes(data[:-20])
+    with pytest.raises(tfrecord.TFRecordError, match=r"cut\.tfrecord: the gzip stream ends"):
+        aioloader.TFRecordStream(str(tmp_path / "cut.tfrecord"), index_dir=tmp_path / "i")
+
+
+def test_a_gzip_file_over_every_store_divides_by_records_and_is_read_once_a_pass(
+        tmp_path: Path, nginx: Nginx, web_root: Path, s3_endpoint: str) -> None:
+    """Ranks of any world size get as many records each, every record once; a rank reads
+    each compressed file it has a share of with one request a pass, over nginx, the test
+    server and S3."""
+    boto3 = pytest.importorskip("boto3")
+    folder = web_root / "gzipped-tfrecords"
+    folder.mkdir()
+    names = [f"part-{n}.tfrecord" for n in range(3)]
+    for n, name in enumerate(names):
+        gzipped_reference(folder / name, 100, first=100 * n)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="gzipped")
+    for name in names:
+        client.put_object(Bucket="gzipped", Key=name, Body=(folder / name).read_bytes())
+    with TestServer(folder) as server:
+        for base in (server.url, nginx.url + "gzipped-tfrecords/", "s3://gzipped/"):
+            stream = aioloader.TFRecordStream([base + n for n in names], shuffle_buffer=16,
+                                              index_dir=tmp_path / "i")
+            for world_size in (1, 2, 3):
+                shares = []
+                for rank in range(world_size):
+                    loader = aioloader.Loader(stream, decode=number_of, batch_size=5,
+                                              shuffle=True, num_workers=0, rank=rank,
+                                              world_size=world_size)
+                    shares.append([x for batch in loader for x in batch.tolist()])
+                    if base == server.url:
+                        assert loader.stats.requests <= len(names)
+                assert sorted(x for share in shares for x in share) == list(range(300))
+                assert {len(share) for share in shares} == {300 // world_size}
+
+
+def test_a_streamed_epoch_resumes_on_another_world_size_with_every_record_once(
+        tmp_path: Path) -> None:
+    for n in range(2):
+        gzipped_reference(tmp_path / f"r{n}.tfrecord", 51, first=51 * n)
+    stream = aioloader.TFRecordStream([str(tmp_path / f"r{n}.tfrecord") for n in range(2)],
+                                      shuffle_buffer=8, index_dir=tmp_path / "i")
+
+    def loader(rank: int, world_size: int) -> aioloader.Loader:
+        return aioloader.Loader(stream, decode=number_of, batch_size=4, shuffle=True, seed=3,
+                                num_workers=0, rank=rank, world_size=world_size)
+
+    before, states = [], []
+    for rank in range(2):
+        two = loader(rank, 2)
+        for step, batch in enumerate(two, 1):
+            before += batch.tolist()
+            if step == 5:
+                states.append(two.state_dict())
+                break
+    after = []
+    for rank in range(3):
+        three = loader(rank, 3)
+        three.load_state_dict(states[0])
+        after += [x for batch in three for x in batch.tolist()]
+    assert len(before) == 40 and len(before) + len(after) - 102 < 3  # repeats only to pad
+    assert set(before) | set(after) == set(range(102))

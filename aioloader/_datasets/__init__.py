@@ -7,7 +7,7 @@ from .parquet import Parquet, ParquetError
 from .recordio import RecordIO
 from .streambatches import StreamBatches
 from .tarshards import TarShards
-from .tfrecords import TFRecord
+from .tfrecords import TFRecord, TFRecordStream
 from .torchmap import from_torch
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "Stream",
     "StreamBatches",
     "TFRecord",
+    "TFRecordStream",
     "TarShards",
     "from_torch",
 ]

@@ -169,7 +169,7 @@ class IndexedStream(Stream):
                                                       info.read_room):
                     for pair in zip(ids.tolist(), items, strict=True):
                         yield pair
-            finally:  # what the reads kept open in the memo (a shard's pass: _Unpacked)
+            finally:  # what the reads kept open in the memo (a shard's pass: compressed.Unpacked)
                 for kept in memo.values():
                     if hasattr(kept, "aclose"):
                         await kept.aclose()

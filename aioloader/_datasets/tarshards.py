@@ -22,14 +22,13 @@ from .._tar import (
     BLOCK,
     MAX_MEMBER_BYTES,
     TarFormatError,
-    compression_of,
-    inflated,
     sample_starts,
     samples,
     split_name,
     tar_members,
 )
 from ..storage import _storage as storage
+from .compressed import Scan, Unpacked
 from .indexed import IndexedStream
 from .kept import index_folder, keep, kept_path
 from .streaming import expand_braces
@@ -113,7 +112,8 @@ class TarShards(IndexedStream):
             return await self._parsed(reads.stream(url, starts[start], starts[stop]), url,
                                       starts, start, stop)
         async with memo.setdefault(("lock", unit), asyncio.Lock()):  # one take at a time
-            archive = await _Unpacked.at(memo, unit, starts[start], reads, url, compression)
+            archive = await Unpacked.at(memo, unit, starts[start], reads, url, compression,
+                                        TarFormatError)
             return await self._parsed(archive.take(starts[start], starts[stop]), url, starts,
                                       start, stop)
 
@@ -130,52 +130,6 @@ class TarShards(IndexedStream):
                 "(remove its index to make a new one)"
             )
         return found
-
-
-class _Unpacked:
-    """A compressed shard, decompressed from its first byte and taken in ranges in order: a
-    rank reads its pieces of a shard in order, so one pass over the shard serves them all (a
-    range before where it stands starts a new pass). Kept in an iteration's memo, and closed
-    with it."""
-
-    def __init__(self, reads: storage.Storage, url: str, compression: str) -> None:
-        self._source = reads.stream(url)
-        self._archive = inflated(self._source, url, compression)
-        self.position = 0
-        self._left = b""
-
-    @classmethod
-    async def at(cls, memo: dict[Any, Any], unit: int, start: int, reads: storage.Storage,
-                 url: str, compression: str) -> _Unpacked:
-        """The memo's pass over `unit`, or a new one if that stands past `start`."""
-        found: _Unpacked | None = memo.get(unit)
-        if found is None or found.position > start:
-            if found is not None:
-                await found.aclose()
-            found = memo[unit] = cls(reads, url, compression)
-        return found
-
-    async def _next(self) -> bytes:
-        chunk, self._left = self._left or await anext(self._archive, b""), b""
-        return chunk
-
-    async def take(self, start: int, end: int) -> AsyncGenerator[bytes, None]:
-        """The archive's bytes from `start` to `end` (or its end), what comes before passed
-        over."""
-        while self.position < end:
-            chunk = await self._next()
-            if not chunk:
-                return
-            skipped = min(len(chunk), max(0, start - self.position))
-            used = min(len(chunk) - skipped, end - self.position - skipped)
-            self._left = chunk[skipped + used :]
-            self.position += skipped + used
-            if used:
-                yield chunk[skipped : skipped + used]
-
-    async def aclose(self) -> None:
-        await self._archive.aclose()
-        await self._source.aclose()
 
 
 Index = tuple[list[int], str | None]
@@ -216,41 +170,14 @@ async def _index(
         index = _parse_index(str(kept), await off_loop(kept.read_bytes), size)
         await _check_head(reads, url, str(kept), index, max_member_bytes)
         return index
-    scan = _Scan(reads.stream(url), url)
-    async with aclosing(scan.archive()) as archive, aclosing(
+    scan = Scan(reads.stream(url), url, TarFormatError)
+    async with aclosing(scan.content()) as archive, aclosing(
         tar_members(archive, url, max_member_bytes, keep_data=False)
     ) as members:
         starts = await sample_starts(members)
     end = size if scan.compression is None else scan.length
     await off_loop(keep, kept, index_document(url, starts, size, scan.compression, end))
     return [*starts, end], scan.compression
-
-
-class _Scan:
-    """A shard's tar archive from its chunks, decompressed if its first bytes name a
-    compression; how long the archive read was."""
-
-    def __init__(self, chunks: AsyncGenerator[bytes, None], url: str) -> None:
-        self._chunks, self._url = chunks, url
-        self.compression: str | None = None
-        self.length = 0
-
-    async def archive(self) -> AsyncGenerator[bytes, None]:
-        async with aclosing(self._chunks):
-            first = await anext(self._chunks, b"")
-            self.compression = compression_of(first)
-            archive = self._then(first)
-            if self.compression is not None:
-                archive = inflated(archive, self._url, self.compression)
-            async with aclosing(archive):
-                async for chunk in archive:
-                    self.length += len(chunk)
-                    yield chunk
-
-    async def _then(self, first: bytes) -> AsyncGenerator[bytes, None]:
-        yield first
-        async for chunk in self._chunks:
-            yield chunk
 
 
 async def _check_head(
