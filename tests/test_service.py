@@ -203,6 +203,10 @@ def test_stats_and_the_timeline_show_the_services_work_while_a_pass_runs(
                 assert stats.fetch.count >= 50 and stats.requests >= 50
         assert loader.stats.samples == 100
         assert loader.timeline(tmp_path / "t.png").stat().st_size > 0
+        for n, _ in enumerate(loader):
+            if n == 4:  # the second pass's figures, not those the first left at its end
+                assert loader.stats.samples >= 150
+                break
 
 
 def test_close_from_another_thread_stops_a_pass_waiting_on_the_service(

@@ -110,10 +110,11 @@ class ServiceHolder(ProcessBound):
         service."""
         client = self._client
         if client is not None:
+            now = None
             if client.pass_open and not client.closed:
                 with contextlib.suppress(LoaderError):
-                    self._last = client.stats()
-            self._last = client.last_stats or self._last
+                    now = client.stats()
+            self._last = now or client.last_stats or self._last  # not the last pass's end
         if self._last is None:
             return here
         merged = load_stats(self._last)
