@@ -64,6 +64,8 @@ _DECOMPRESSORS: dict[str, Callable[[], Any]] = {
     "bzip2": bz2.BZ2Decompressor,
     "xz": lzma.LZMADecompressor,
 }
+READABLE = tuple(_DECOMPRESSORS)
+"""The compressions `inflated` reads."""
 
 
 def _inflate(decompressor: Any, data: bytes) -> Iterator[bytes]:

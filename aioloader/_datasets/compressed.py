@@ -4,7 +4,9 @@ no ranges to read, so a range of its content comes from one pass over it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -85,3 +87,17 @@ class Unpacked:
     async def aclose(self) -> None:
         await self._content.aclose()
         await self._source.aclose()
+
+
+@contextlib.asynccontextmanager
+async def content_range(reads: storage.Storage, memo: dict[Any, Any], unit: int, url: str,
+                        compression: str | None, start: int, end: int, error: type[Exception]
+                        ) -> AsyncIterator[AsyncGenerator[bytes, None]]:
+    """Bytes `start` to `end` of a file's content: one ranged read of a plain file; of a
+    compressed one, taken from the iteration's pass over it (`memo`), one take at a time."""
+    if compression is None:
+        yield reads.stream(url, start, end)
+        return
+    async with memo.setdefault(("lock", unit), asyncio.Lock()):
+        unpacked = await Unpacked.at(memo, unit, start, reads, url, compression, error)
+        yield unpacked.take(start, end)

@@ -28,7 +28,7 @@ from .._tar import (
     tar_members,
 )
 from ..storage import _storage as storage
-from .compressed import Scan, Unpacked
+from .compressed import Scan, content_range
 from .indexed import IndexedStream
 from .kept import index_folder, keep, kept_path
 from .streaming import expand_braces
@@ -107,15 +107,10 @@ class TarShards(IndexedStream):
         self, reads: storage.Storage, unit: int, start: int, stop: int, memo: dict[Any, Any]
     ) -> Sequence[Any]:
         """One ranged read of the bytes of samples start..stop, parsed as they arrive."""
-        url, starts, compression = self.urls[unit], self.starts[unit], self.compressions[unit]
-        if compression is None:
-            return await self._parsed(reads.stream(url, starts[start], starts[stop]), url,
-                                      starts, start, stop)
-        async with memo.setdefault(("lock", unit), asyncio.Lock()):  # one take at a time
-            archive = await Unpacked.at(memo, unit, starts[start], reads, url, compression,
-                                        TarFormatError)
-            return await self._parsed(archive.take(starts[start], starts[stop]), url, starts,
-                                      start, stop)
+        url, starts = self.urls[unit], self.starts[unit]
+        async with content_range(reads, memo, unit, url, self.compressions[unit], starts[start],
+                                 starts[stop], TarFormatError) as chunks:
+            return await self._parsed(chunks, url, starts, start, stop)
 
     async def _parsed(self, chunks: AsyncGenerator[bytes, None], url: str, starts: list[int],
                       start: int, stop: int) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -17,9 +17,10 @@ import numpy as np
 from .._blocking import off_loop
 from .._errors import FetchError
 from .._loopthread import run_sync
+from .._tar import READABLE
 from ..storage import _storage as storage
 from ..tfrecord import FRAMING, HEADER, TFRecordError, read_index, record_size, unframe
-from .compressed import Scan, Unpacked
+from .compressed import Scan, content_range
 from .indexed import IndexedStream
 from .kept import index_folder, keep, kept_path
 from .records import FileRecords, Records
@@ -111,7 +112,7 @@ async def _records(reads: storage.Storage, url: str, index: str | None, folder: 
         text = await reads.read(index)
     if text is not None and index is not None:
         return _from_index(url, index, text, size), None
-    for compression in (None, *KEPT_COMPRESSIONS):
+    for compression in (None, *READABLE):
         kept = _kept(folder, url, size, compression)
         try:
             text = await off_loop(kept.read_bytes)
@@ -127,9 +128,6 @@ async def _records(reads: storage.Storage, url: str, index: str | None, folder: 
     await off_loop(keep, _kept(folder, url, size, compression),
                    "".join(f"{o} {s}\n" for o, s in zip(offsets, sizes, strict=True)))
     return _as_records(offsets, sizes), compression
-
-
-KEPT_COMPRESSIONS = ("gzip", "bzip2", "xz")
 
 
 def _kept(folder: Path, url: str, size: int, compression: str | None) -> Path:
@@ -236,14 +234,9 @@ class TFRecordStream(IndexedStream):
         from where its pass stands."""
         url, records = self.urls[unit], self._records[unit]
         first, end = records.starts[start], records.ends[stop - 1]
-        compression = self.compressions[unit]
-        if compression is None:
-            data = await _joined(reads.stream(url, first, end))
-        else:
-            async with memo.setdefault(("lock", unit), asyncio.Lock()):  # one take at a time
-                unpacked = await Unpacked.at(memo, unit, first, reads, url, compression,
-                                             TFRecordError)
-                data = await _joined(unpacked.take(first, end))
+        async with content_range(reads, memo, unit, url, self.compressions[unit], first, end,
+                                 TFRecordError) as chunks, aclosing(chunks):
+            data = b"".join([chunk async for chunk in chunks])
         if len(data) != end - first:
             raise TFRecordError(f"{url}: records {start}..{stop} take bytes {first}..{end} of "
                                 f"it, and it has {len(data)} from {first}: it changed since "
@@ -253,8 +246,3 @@ class TFRecordStream(IndexedStream):
                                       strict=True):
             found.append(unframe(view[offset - first : record_end - first], url, offset)[0])
         return found
-
-
-async def _joined(chunks: AsyncGenerator[bytes, None]) -> bytes:
-    async with aclosing(chunks):
-        return b"".join([chunk async for chunk in chunks])

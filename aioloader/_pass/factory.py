@@ -268,7 +268,7 @@ class PassFactory:
         config = self.config
         if self.backend is not None:
             return RemoteDecoder(self.backend.backend, self._recovery())
-        if not config.num_workers or self.nothing_to_decode():
+        if not self._decodes_in_processes():
             return InlineDecoder(self.spec)
         base_seed = self._worker_seed(epoch)
 
@@ -286,10 +286,13 @@ class PassFactory:
         config = self.config
         if self.share is not None:
             self.share.start_decoding()
-        elif (config.persistent_workers and config.num_workers and self.backend is None
-                and not self.nothing_to_decode()):
+        elif config.persistent_workers and self.backend is None and self._decodes_in_processes():
             self.pools.get(self.spec, config, self._worker_seed(epoch)).wait_settled(
                 START_TIMEOUT)
+
+    def _decodes_in_processes(self) -> bool:
+        """Without a backend: whether passes decode in processes (else inline, here)."""
+        return bool(self.config.num_workers) and not self.nothing_to_decode()
 
     def _worker_seed(self, epoch: int) -> int:
         return int(
