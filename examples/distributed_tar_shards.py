@@ -24,6 +24,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import gzip
 import io
 import json
 import os
@@ -73,10 +74,13 @@ def write_shards(folder: Path, format: str) -> list[str]:
             import pyarrow.parquet as pq
 
             pq.write_table(pa.table({"bin": bodies}), folder / names[-1], row_group_size=64)
-        elif format == "tfrecord":
+        elif format.startswith("tfrecord"):
             with aioloader.tfrecord.Writer(folder / names[-1]) as writer:
                 for body in bodies:
                     writer.write(aioloader.tfrecord.example({"bin": body}))
+            if format.endswith(".gz"):  # as TensorFlow writes compression_type="GZIP"
+                path = folder / names[-1]
+                path.write_bytes(gzip.compress(path.read_bytes()))
         else:
             with tarfile.open(folder / names[-1], "w") as tar:
                 for i, body in enumerate(bodies, first):
@@ -105,10 +109,13 @@ def train(urls: list[str], service: Literal["process", "node", "none"], epochs: 
         data = aioloader.Parquet(urls, shuffle_window=2)
     elif urls[0].endswith(".tfrecord"):
         data, decode = aioloader.TFRecord(urls), decode_record
+    elif urls[0].endswith(".tfrecord.gz"):
+        data, decode = aioloader.TFRecordStream(urls, shuffle_buffer=100), decode_record
     else:
         data = aioloader.TarShards(urls, shuffle_buffer=100)
     loader = aioloader.Loader(data, decode=decode, batch_size=16, shuffle=True, seed=1,
                               num_workers=1, service=None if service == "none" else service)
+    loader.start()  # the service (the node's, joined) up before the first step
     first_epoch = 0
     if resume is not None:
         checkpoint = torch.load(resume)
@@ -219,7 +226,8 @@ def launch(out: Path, format: str, service: str, store: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("distributed-tar-shards"))
-    parser.add_argument("--format", choices=["tar", "parquet", "tfrecord"], default="tar")
+    parser.add_argument("--format", choices=["tar", "parquet", "tfrecord", "tfrecord.gz"],
+                        default="tar")
     parser.add_argument("--service", choices=["process", "node", "none"], default="process",
                         help="a loader service per rank, one for the node's ranks, or none")
     parser.add_argument("--store", choices=["http", "s3"], default="http")
