@@ -89,8 +89,9 @@ class LoaderStats:
     large local files' reads); 0 when the items are read in the event loop."""
     read_in_decode: bool = False
     """Local files read in the decode processes, where they are decoded, not in the event loop
-    (large ones: `Files.for_local_decode`); `fetch` and the storage's figures then leave them
-    out, and `decode` counts their reads."""
+    (large ones: `Files.for_local_decode`; every record of local RecordIO and TFRecord files:
+    `Records.for_local_decode`); `fetch` and the storage's figures then leave them out, and
+    `decode` counts their reads."""
     memory_wait: float = 0.0
     """Seconds reading or decoding (either) waited for room under `memory_limit` (batches
     held, in shared memory, in the queue or by the consumer, count against it)."""

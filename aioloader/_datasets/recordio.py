@@ -66,7 +66,8 @@ class RecordIO(Records):
         self.num_parts = num_parts
         self._set_records(run_sync(_load(recs, idxs, num_parts, part_index)))
 
-    def unframe(self, data: bytes, url: str, start: int) -> bytes:
+    @staticmethod
+    def unframe(data: bytes, url: str, start: int) -> bytes:
         payload, _ = decode(data, url, start)
         return payload
 

@@ -69,7 +69,8 @@ class TFRecord(Records):
                                     "aioloader.TFRecordStream, or decompress it")
         self._set_records([records for records, _ in loaded])
 
-    def unframe(self, data: bytes, url: str, start: int) -> bytes:
+    @staticmethod
+    def unframe(data: bytes, url: str, start: int) -> bytes:
         payload, size = unframe(data, url, start)
         if size != len(data):
             raise TFRecordError(f"{url}: the record at offset {start} takes {size} bytes where "

@@ -110,6 +110,7 @@ class PassFactory:
         self.spec = DecodeSpec(
             config.decode, config.collate if config.batch_size else None, config.skip_errors,
             config.seed, config.augment, config.cache, load, threads,
+            load_reads=self.stats.read_in_decode,
             drop_partial=(isinstance(dataset, FromTorchIterable) and config.drop_last
                           and config.batch_size is not None),
             snapshot=dataset.snapshot if isinstance(dataset, FromTorchIterable) else None,

@@ -125,6 +125,9 @@ class DecodeSpec:
     snapshot: Callable[[Any], Any] | None = None
     """An IterableDataset: where this process's copy stands after a chunk, given the chunk's
     first raw item; sent back with the result, to resume from."""
+    load_reads: bool = False
+    """`load` reads the sample here (a local file, a record): what it raises is the sample's
+    read failing, raised as a failed read with its own type, as the event loop's would be."""
     wants_rng: bool = field(init=False)
     augment_wants_rng: bool = field(init=False)
 
@@ -145,7 +148,12 @@ class DecodeSpec:
             value = self.cache.get(index)
         else:
             if self.load is not None:
-                raw = self.load(raw)
+                try:
+                    raw = self.load(raw)
+                except Exception as e:
+                    if self.load_reads:
+                        raise ReadFailed(e) from e
+                    raise
             if self.decode is None:
                 value = raw
             elif self.wants_rng:
@@ -202,7 +210,7 @@ def _decoded(
                     allocate.discard()
             break
         if isinstance(outcome, _Failure):
-            if isinstance(outcome.error, FetchError):
+            if outcome.error is not None:
                 result.read_errors[chunk.indices[position]] = outcome.error
             if not spec.skip_errors:
                 result.failure = (chunk.indices[position], outcome.reason, outcome.traceback,
@@ -465,13 +473,21 @@ class _Failure:
     kind: str
     """The error's type (`type_name`): raised with it in the consumer's process."""
     error: Exception | None = None
-    """A read's FetchError (a file read here): it travels as it is."""
+    """A read's failure (a file or record read here): it travels as it is."""
 
 
 def failure(index: int | None, error: Exception) -> tuple[int | None, str, str, str]:
     """A chunk's failure as it travels: the sample's index (None: collate), the reason, the
     traceback, the error's type."""
     return index, one_line(error), traceback.format_exc(), type_name(error)
+
+
+class ReadFailed(Exception):
+    """A sample's read in this process (`DecodeSpec.load_reads`) raised `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class _Exhausted:
@@ -489,6 +505,8 @@ def _one(spec: DecodeSpec, epoch: int, index: int, raw: Any) -> Outcome:
         sample = spec.sample(epoch, index, raw)
     except Exhausted:
         return EXHAUSTED
+    except ReadFailed as e:
+        return _Failure(one_line(e.error), traceback.format_exc(), type_name(e.error), e.error)
     except FetchError as e:
         return _Failure(str(e), traceback.format_exc(), type_name(e), e)
     except Exception as e:

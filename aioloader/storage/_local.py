@@ -141,11 +141,11 @@ class LocalStore:
         self._executor.shutdown(wait=True)
 
 
-def read_path(path: str) -> bytes:
-    """A whole local file, read in the calling thread (a decode process reads its samples'
-    files so); FetchError naming it when it cannot be."""
+def read_path(path: str, start: int | None = None, end: int | None = None) -> bytes:
+    """A local file, whole or from `start` to `end`, read in the calling thread (a decode
+    process reads its samples' files so); FetchError naming it when it cannot be."""
     try:
-        return _read_file(path, None, None)
+        return _read_file(path, start, end)
     except OSError as e:
         raise _error(path, e) from e
 
