@@ -115,7 +115,7 @@ $(DLIO)/.installed: benchmarks/dlio-requirements.txt pyproject.toml
 	$(DLIO)/bin/python -m pip install --quiet -c $(DLIO)/constraints.txt \
 		-r benchmarks/dlio-requirements.txt
 	$(DLIO)/bin/python -m pip install --quiet --no-deps dlio-benchmark==2.0.0
-	$(DLIO)/bin/python -m pip install --quiet -c $(DLIO)/constraints.txt -e .
+	$(DLIO)/bin/python -m pip install --quiet -c $(DLIO)/constraints.txt -e ".[tfrecord]"
 	touch $@
 
 bench-dlio: $(DLIO)/.installed

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from aioloader.tfrecord import parse_example
+
 
 class DlioSample:
     """DLIO's NPZ reader, in a decode process: the sample's array read whole, then DLIO's
@@ -21,3 +23,11 @@ class DlioSample:
         with np.load(io.BytesIO(raw), allow_pickle=True) as archive:
             archive["x"]
         return self.image
+
+
+def dlio_example(raw: bytes) -> int:
+    """DLIO's TFRecord reader, in a decode process: the record's `tf.train.Example` parsed
+    (its `image` bytes and `size`), as DLIO's `tf.io.parse_example` does. DLIO's reader then
+    hands over one resized image per batch, whatever the batch held; this gives the `size`,
+    so a batch stays as small."""
+    return int(parse_example(raw)["size"][0])
