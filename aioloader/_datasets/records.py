@@ -17,9 +17,9 @@ from ..storage._local import read_path
 from .base import Dataset, digest
 from .keys import KeyTable
 
-READ_THREADS = 8
-"""Records each decode process reads at once, when reads are slow (a cold or remote disk): the
-decode processes run them inline while records come from the page cache."""
+READ_THREADS = 1
+"""Records each decode process reads at once: one, as large local files are read (reading
+several on threads while reads are slow waits on deciding by the read's time alone)."""
 
 
 @dataclass
